@@ -1,0 +1,58 @@
+"""Engine configuration: plain dataclasses, checked once in __post_init__. CLI flags map onto these fields."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from leverlab.errors import UnsupportedLever
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def default_model_path() -> Path:
+    """The bundled default model, shipped in the repo (see models/README.md)."""
+    return Path(__file__).resolve().parent.parent / "models" / "leverlab-code-15m"
+
+
+@dataclass
+class EngineConfig:
+    model: str = ""
+    dtype: str = "bfloat16"
+    device: str = "auto"  # "auto" picks cuda when present, else cpu
+    max_model_len: int | None = None  # None: the model's own max_position_embeddings
+    max_num_seqs: int = 64  # sequences in one step
+    max_num_batched_tokens: int = 512  # token budget per step (prefill chunks + decodes)
+    max_waiting: int = 256  # past this many waiting requests, new ones get EngineOverloaded
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit count wins over kv_cache_memory
+    kv_cache_memory: int | None = None  # bytes; None: a default sized for max_num_seqs full contexts, capped
+    enable_prefix_caching: bool = True
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    speculative_config: dict | None = None
+    tensor_parallel_size: int = 1
+    # "compiled": torch.compile fast path (default, cached on disk); "eager": no compilation (tests).
+    execution_mode: str = field(default_factory=lambda: os.environ.get("LEVERLAB_EXECUTION_MODE", "compiled"))
+    num_threads: int | None = None  # None: all cores
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype == "auto":
+            self.dtype = "bfloat16"
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.execution_mode not in ("compiled", "eager"):
+            raise ValueError(f"execution_mode must be 'compiled' or 'eager', got {self.execution_mode!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.tensor_parallel_size != 1:
+            raise UnsupportedLever("--tensor-parallel-size > 1 is not built yet (issue 9)")
+        if self.speculative_config:
+            raise UnsupportedLever("--speculative-config is not built yet (issue 7)")
+        if self.quantization not in (None, "none"):
+            raise UnsupportedLever(f"--quantization {self.quantization} is not built yet (issue 6)")
+        if self.kv_cache_dtype not in ("auto",):
+            raise UnsupportedLever(f"--kv-cache-dtype {self.kv_cache_dtype} is not built yet (issue 6)")

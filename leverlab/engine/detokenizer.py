@@ -1,0 +1,51 @@
+"""Incremental detokenization and stop strings.
+
+Decoding a token alone can split a UTF-8 character or a merged word, so text is decoded over a short
+window (prefix_offset..end) and only the part past read_offset is new. While a stop string could still
+be completing, the last len(longest stop) - 1 characters are held back, so streamed text never has to
+be taken back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DetokState:
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""  # all text decoded so far (may run past a stop string until it is cut)
+    emitted: int = 0  # characters of `text` released to the user
+
+
+class Detokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def start(self, prompt_ids: list[int]) -> DetokState:
+        # Seed the window with the prompt's tail, so the first output token decodes in context
+        # (a leading space or a multi-byte character that straddles the boundary).
+        tail = min(len(prompt_ids), 5)
+        return DetokState(prefix_offset=0, read_offset=tail)
+
+    def step(self, state: DetokState, all_ids: list[int], skip_special: bool) -> str:
+        """all_ids = prompt tail (as seeded by start) + output ids. Returns the newly decoded text."""
+        prefix = self.tokenizer.decode(all_ids[state.prefix_offset : state.read_offset], skip_special_tokens=skip_special)
+        full = self.tokenizer.decode(all_ids[state.prefix_offset :], skip_special_tokens=skip_special)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new = full[len(prefix):]
+            state.prefix_offset, state.read_offset = state.read_offset, len(all_ids)
+            state.text += new
+            return new
+        return ""
+
+
+def find_stop(text: str, new_len: int, stops: list[str]) -> tuple[int, str] | None:
+    """Earliest stop string that ends inside the last new_len characters: (its start index, the string)."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, len(text) - new_len - len(s) + 1))
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best

@@ -1,0 +1,215 @@
+"""LLMEngine: the step loop. Each step: schedule, run the model, sample, then hand out what changed."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+from leverlab.config import EngineConfig, default_model_path
+from leverlab.engine.block_manager import BlockManager
+from leverlab.engine.detokenizer import Detokenizer, find_stop
+from leverlab.engine.model_runner import ModelRunner
+from leverlab.engine.request import Request
+from leverlab.engine.sampler import sample, top_logprobs
+from leverlab.engine.scheduler import Scheduler
+from leverlab.engine.sequence import Sequence
+from leverlab.errors import RequestError
+from leverlab.models.config import ModelConfig
+from leverlab.outputs import RequestMetrics, RequestOutput
+from leverlab.sampling_params import SamplingParams
+
+log = logging.getLogger("leverlab")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        path = str(config.model or default_model_path())
+        self.model_path = path
+        self.model_config = ModelConfig.from_folder(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        max_len = config.max_model_len or self.model_config.max_position_embeddings
+        if max_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"--max-model-len {max_len} exceeds the model's "
+                             f"max_position_embeddings ({self.model_config.max_position_embeddings})")
+        self.runner = ModelRunner(config, path, max_len)
+        capacity = self.runner.num_blocks * config.block_size
+        if capacity < max_len:
+            log.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, max_len)
+            max_len = capacity
+        self.max_model_len = max_len
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        eos = self.model_config.eos_token_ids
+        if not eos and self.tokenizer.eos_token_id is not None:
+            eos = (self.tokenizer.eos_token_id,)
+        self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._rng = torch.Generator().manual_seed(config.seed)
+        log.info(
+            "model %s (%s, %.1fM params) dtype=%s device=%s mode=%s; KV cache: %d blocks x %d tokens "
+            "(%.0f MiB), max_model_len=%d, fits %d sequences of full length",
+            path, self.model_config.architecture, self.model_config.num_params() / 1e6, config.dtype,
+            self.runner.device, config.execution_mode, self.runner.num_blocks, config.block_size,
+            capacity * self.runner.kv_bytes_per_token() / 2**20, max_len, capacity // max_len,
+        )
+
+    # ---- requests in -------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Tokenize and check a prompt; RequestError says what to fix."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt is empty")
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+            if not ids:
+                raise RequestError("prompt is empty after tokenization")
+        else:
+            text, ids = None, list(prompt)
+            if not ids:
+                raise RequestError("prompt is empty")
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[0]!r}")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if len(ids) + max_tokens > self.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{len(ids)} tokens and max_tokens is {max_tokens} ({len(ids) + max_tokens} in all); "
+                "shorten the prompt or lower max_tokens"
+            )
+        if max_tokens < 1:
+            raise RequestError(f"the prompt ({len(ids)} tokens) fills the whole context ({self.max_model_len})")
+        return text, ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        t0 = time.monotonic()
+        text, ids = self.encode(prompt, params)
+        metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else t0)
+        metrics.tokenize_s = time.monotonic() - t0
+        req = Request(request_id, text, ids, params, metrics)
+        for i in range(params.n):
+            gen = None
+            if not params.greedy:
+                seed = params.seed + i if params.seed is not None else int(
+                    torch.randint(0, 2**62, (1,), generator=self._rng))
+                gen = torch.Generator().manual_seed(seed)
+            seq = Sequence(next(self._seq_ids), request_id, i, ids, params, gen)
+            if params.prompt_logprobs is not None:
+                seq.prompt_logprobs = [None]
+            req.seqs.append(seq)
+            req.detok.append(self.detokenizer.start(ids))
+            req.texts.append("")
+            self.scheduler.add(seq)
+        self.requests[request_id] = req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+        req.metrics.finished_time = time.monotonic()
+        return req.output()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step loop -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        for seq in batch.preempted:
+            self.requests[seq.request_id].metrics.num_preemptions += 1
+        if not batch.seqs:
+            return []
+        now = time.monotonic()
+        for seq in batch.seqs:
+            m = self.requests[seq.request_id].metrics
+            m.first_scheduled_time = m.first_scheduled_time or now
+        result = self.runner.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        self._record_prompt_logprobs(result.prompt_logits)
+        touched: dict[str, Request] = {}
+        if result.sample_seqs:
+            tokens = sample(result.logits, result.sample_seqs, self.eos_token_ids)
+            chosen = torch.tensor(tokens)
+            want = [s.params.logprobs is not None for s in result.sample_seqs]
+            if any(want):
+                lps = top_logprobs(result.logits, chosen, [s.params.logprobs or 0 for s in result.sample_seqs])
+            now = time.monotonic()
+            for row, (seq, tok) in enumerate(zip(result.sample_seqs, tokens)):
+                req = self.requests[seq.request_id]
+                if want[row]:
+                    seq.logprobs.append(lps[row])
+                self._append(req, seq, tok, now)
+                touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            outputs.append(req.output())
+            if req.finished:
+                req.metrics.finished_time = time.monotonic()
+                del self.requests[req.request_id]
+        return outputs
+
+    def _append(self, req: Request, seq: Sequence, token: int, now: float) -> None:
+        seq.output_token_ids.append(token)
+        m = req.metrics
+        m.first_token_time = m.first_token_time or now
+        m.last_token_time = now
+        if seq.index == 0:
+            m.token_times.append(now)
+        p = seq.params
+        out_len = len(seq.output_token_ids)
+        if token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif token in self.eos_token_ids and not p.ignore_eos:
+            seq.finish_reason = "stop"
+        t0 = time.monotonic()
+        i = seq.index
+        state = req.detok[i]
+        ids = req.prompt_token_ids[len(req.prompt_token_ids) - min(len(req.prompt_token_ids), 5):] + seq.output_token_ids
+        new = self.detokenizer.step(state, ids, p.skip_special_tokens)
+        if p.stop and new and seq.finish_reason is None and out_len >= p.min_tokens:
+            hit = find_stop(state.text, len(new), p.stop)
+            if hit:
+                at, s = hit
+                state.text = state.text[: at + (len(s) if p.include_stop_str_in_output else 0)]
+                seq.finish_reason, seq.stop_reason = "stop", s
+        m.detokenize_s += time.monotonic() - t0
+        if seq.finish_reason is None and p.max_tokens is not None and out_len >= p.max_tokens:
+            seq.finish_reason = "length"
+        if seq.finish_reason is None and seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+            req.texts[i] = state.text
+        else:
+            hold = max((len(s) for s in p.stop), default=1) - 1
+            req.texts[i] = state.text[: len(state.text) - hold] if hold else state.text
+
+    def _record_prompt_logprobs(self, chunks) -> None:
+        for seq, first, logits in chunks:
+            targets = torch.tensor(seq.prompt_token_ids[first : first + logits.shape[0]])
+            rows = top_logprobs(logits, targets, [seq.params.prompt_logprobs] * len(targets))
+            for j, d in enumerate(rows):
+                # After a preemption the prompt is recomputed: keep each position once.
+                if first + j == len(seq.prompt_logprobs):
+                    seq.prompt_logprobs.append(d)
+
+    # ---- introspection -----------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        self.blocks.check(self.scheduler.live)

@@ -1,0 +1,107 @@
+"""The model runner: owns the weights and the KV-cache tensors, turns a ScheduledBatch into logits."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from leverlab.config import EngineConfig
+from leverlab.engine.scheduler import ScheduledBatch
+from leverlab.engine.sequence import Sequence
+from leverlab.layers.attention import AttentionMetadata
+from leverlab.models.loader import DTYPES, load_model
+
+log = logging.getLogger("leverlab")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass
+class StepLogits:
+    sample_seqs: list[Sequence]  # sequences whose next token is sampled this step
+    logits: torch.Tensor  # [len(sample_seqs), V] float32
+    # (sequence, first target position, logits [k, V]) for prompt-logprob requests
+    prompt_logits: list[tuple[Sequence, int, torch.Tensor]]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: str, max_model_len: int):
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.model = load_model(model_path, config.dtype, self.device)
+        self.model_config = self.model.config
+        self.block_size = config.block_size
+        self.num_blocks = self._num_blocks(max_model_len)
+        cfg = self.model_config
+        # Per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_caches = [
+            torch.zeros(2, self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                        dtype=self.dtype, device=self.device)
+            for _ in range(cfg.num_layers)
+        ]
+        self.forward = self.model.forward
+        if config.execution_mode == "compiled":
+            from leverlab.engine.compiled import compile_forward
+
+            self.forward = compile_forward(self.model, config)
+
+    def kv_bytes_per_token(self) -> int:
+        cfg = self.model_config
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def _num_blocks(self, max_model_len: int) -> int:
+        if self.config.num_kv_blocks:
+            return self.config.num_kv_blocks
+        per_block = self.kv_bytes_per_token() * self.block_size
+        wanted = self.config.max_num_seqs * -(-max_model_len // self.block_size)
+        budget = self.config.kv_cache_memory or 2 << 30  # 2 GiB unless told otherwise
+        return max(1, min(wanted, budget // per_block))
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepLogits:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts, seq_lens = [0], []
+        sample_rows, sample_seqs, prompt_rows = [], [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids += seq.token_ids(start, end)
+            positions += range(start, end)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            row0 = starts[-1]
+            starts.append(row0 + n)
+            seq_lens.append(end)
+            if end == seq.num_tokens:
+                sample_rows.append(row0 + n - 1)
+                sample_seqs.append(seq)
+            if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+                # Row r predicts position start + r + 1; keep those that are prompt positions.
+                k = min(end, seq.num_prompt_tokens - 1) - start
+                if k > 0:
+                    prompt_rows.append((seq, start + 1, row0, k))
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+
+        def t(x):
+            return torch.tensor(x, dtype=torch.int64, device=self.device)
+
+        meta = AttentionMetadata(slot_mapping=t(slots), block_tables=t(tables), seq_lens=t(seq_lens),
+                                 query_start_loc=t(starts))
+        hidden = self.forward(t(ids), t(positions), self.kv_caches, meta)  # [T, H]
+        rows = sample_rows + [r for (_, _, r0, k) in prompt_rows for r in range(r0, r0 + k)]
+        logits = self.model.compute_logits(hidden[t(rows)]) if rows else hidden.new_empty(0, 0).float()
+        prompt_logits, off = [], len(sample_rows)
+        for seq, first, _, k in prompt_rows:
+            prompt_logits.append((seq, first, logits[off:off + k]))
+            off += k
+        return StepLogits(sample_seqs, logits[: len(sample_rows)], prompt_logits)

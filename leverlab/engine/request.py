@@ -1,0 +1,49 @@
+"""A request: n sequences sharing one prompt, their text so far, and where the time went."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from leverlab.engine.detokenizer import DetokState
+from leverlab.engine.sequence import Sequence
+from leverlab.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from leverlab.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[Sequence] = field(default_factory=list)
+    detok: list[DetokState] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)  # released text per sequence (only ever grows)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=self.texts[i],
+                token_ids=list(s.output_token_ids),
+                logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for i, s in enumerate(self.seqs)
+        ]
+        first = self.seqs[0]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outs,
+            finished=self.finished,
+            metrics=self.metrics,
+            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
+        )

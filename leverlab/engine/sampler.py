@@ -1,0 +1,64 @@
+"""Turn logits into tokens: greedy, temperature, top-k, top-p, per-sequence RNG; logprobs on request."""
+
+from __future__ import annotations
+
+import torch
+
+from leverlab.engine.sequence import Sequence
+from leverlab.outputs import PositionLogprobs
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> list[int]:
+    """logits [B, V] float32, one row per sequence that needs a token. Returns one token id per row."""
+    logits = _apply_min_tokens(logits, seqs, eos_ids)
+    greedy = logits.argmax(dim=-1).tolist()
+    tokens = []
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if p.greedy:
+            tokens.append(greedy[row])
+            continue
+        x = logits[row] / p.temperature
+        if p.top_k > 0 and p.top_k < x.numel():
+            kth = torch.topk(x, p.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+        tokens.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
+    return tokens
+
+
+def _apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> torch.Tensor:
+    """Before min_tokens are out, end-of-sequence and stop tokens cannot be picked."""
+    rows = [i for i, s in enumerate(seqs) if len(s.output_token_ids) < s.params.min_tokens]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        banned = list(seqs[i].params.stop_token_ids) + ([] if seqs[i].params.ignore_eos else list(eos_ids))
+        if banned:
+            logits[i, banned] = float("-inf")
+    return logits
+
+
+def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, ns: list[int]) -> list[PositionLogprobs]:
+    """logits [N, V]; chosen [N]; ns[r] top alternatives for row r.
+    For each row: {token: logprob}, the chosen token first, then the top ns[r] (the chosen one may be among them)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    picked = logp.gather(1, chosen[:, None]).squeeze(1).tolist()
+    n = max(ns, default=0)
+    if n > 0:
+        vals, idx = logp.topk(n, dim=-1)
+        vals, idx = vals.tolist(), idx.tolist()
+    out: list[PositionLogprobs] = []
+    for r, tok in enumerate(chosen.tolist()):
+        d = {tok: picked[r]}
+        for t, v in zip(idx[r][: ns[r]], vals[r][: ns[r]]) if n > 0 else ():
+            d.setdefault(t, v)
+        out.append(d)
+    return out

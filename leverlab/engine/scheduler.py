@@ -1,0 +1,101 @@
+"""Continuous batching with a token budget, as vLLM v1 does it: no prefill or decode phase.
+
+Every step each running sequence asks for num_tokens - num_computed_tokens more tokens (1 when decoding,
+a chunk of its prompt while prefilling) and gets a slice of the budget. Running sequences go first, in
+arrival order; waiting ones are admitted while budget, sequence slots and KV blocks last. When blocks run
+out, the newest running sequence is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from leverlab.engine.block_manager import BlockManager
+from leverlab.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    """The narrow, data-only hand-off to the model runner."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # per sequence: tokens to compute this step
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.budget
+        batch = ScheduledBatch([], [], [])
+        running = list(self.running)
+        while running:
+            seq = running.pop(0)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            # Make room: preempt the newest running sequences (possibly this one) until the blocks fit.
+            while not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
+                victim = running.pop() if running else seq
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            self.blocks.grow(seq, seq.num_computed_tokens + n)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        # Admit waiting sequences in order; never overtake one that does not fit (no starvation).
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            self.blocks.grow(seq, seq.num_computed_tokens + n)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the sequence's KV and requeue it at the front."""
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
+        seq.status = Status.FINISHED
+
+    @property
+    def live(self) -> list[Sequence]:
+        return list(self.running) + list(self.waiting)

@@ -1,0 +1,21 @@
+"""Errors the engine raises on purpose. The server maps each to an HTTP status."""
+
+
+class LeverLabError(Exception):
+    """Base class."""
+
+
+class RequestError(LeverLabError, ValueError):
+    """The request itself is wrong (empty prompt, too long, bad parameter): HTTP 400."""
+
+
+class EngineOverloaded(LeverLabError):
+    """The waiting queue is full: HTTP 503 with Retry-After. Admitted requests are unaffected."""
+
+
+class EngineDeadError(LeverLabError):
+    """The engine loop (or a worker) died; every request in flight fails with this: HTTP 503."""
+
+
+class UnsupportedLever(LeverLabError, ValueError):
+    """A lever flag names something not built (yet): refused with a clear message, never ignored."""

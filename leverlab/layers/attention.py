@@ -1,0 +1,99 @@
+"""Attention over the paged KV cache.
+
+The cache of one layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim]. A sequence owns a
+list of blocks (its block table); token t of a sequence lives at slot block_table[t // bs] * bs + t % bs.
+
+The kernel is registered as a torch custom op, so that a compiled model treats it as one opaque call:
+Inductor compiles the projections and MLPs around it while the cache writes and the per-sequence
+bookkeeping stay in plain eager PyTorch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout. B sequences, T new tokens in all (flattened, sequence after sequence)."""
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot for each new token's K/V
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    seq_lens: torch.Tensor  # [B] int64: context length after this step (cached + new)
+    query_start_loc: torch.Tensor  # [B + 1] int64: offsets of each sequence's new tokens in the batch
+
+
+@torch.library.custom_op("leverlab::paged_attention", mutates_args=("k_cache", "v_cache"))
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k.shape[1], k_cache.shape[1]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    lens = seq_lens.tolist()
+    batch = len(lens)
+
+    if num_tokens == batch:
+        # Decode: one query per sequence. Gather every context into a padded [B, KVH, L, D] and mask the tail.
+        max_len = max(lens)
+        nblocks = -(-max_len // block_size)
+        table = block_tables[:, :nblocks]
+        keys = k_cache[table].view(batch, nblocks * block_size, num_kv_heads, head_dim)[:, :max_len]
+        values = v_cache[table].view(batch, nblocks * block_size, num_kv_heads, head_dim)[:, :max_len]
+        mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [B, H, 1, D]
+            keys.transpose(1, 2).to(q.dtype),
+            values.transpose(1, 2).to(q.dtype),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        return out.squeeze(2).contiguous()
+
+    # Prefill chunks (possibly mixed with decodes): one attention call per sequence.
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for i, ctx in enumerate(lens):
+        s, e = starts[i], starts[i + 1]
+        nblocks = -(-ctx // block_size)
+        table = block_tables[i, :nblocks]
+        keys = k_cache[table].view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1).to(q.dtype)
+        values = v_cache[table].view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1).to(q.dtype)
+        qi = q[s:e].transpose(0, 1)  # [H, q_len, D]
+        q_len = e - s
+        if q_len == ctx:
+            mask, causal = None, q_len > 1
+        else:
+            # The new tokens are the last q_len of the context: query i sees keys 0 .. ctx - q_len + i.
+            rows = torch.arange(q_len, device=q.device)[:, None] + (ctx - q_len)
+            mask, causal = torch.arange(ctx, device=q.device)[None, :] <= rows, False
+        o = F.scaled_dot_product_attention(
+            qi, keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=num_heads != num_kv_heads
+        )
+        out[s:e] = o.transpose(0, 1)
+    return out
+
+
+@paged_attention.register_fake
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale):
+    return torch.empty_like(q)
+
+
+def attend(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    return paged_attention(
+        q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
+    )

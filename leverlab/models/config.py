@@ -1,0 +1,118 @@
+"""ModelConfig: the architecture facts our model code needs, read from a Hugging Face config.json.
+
+One decoder covers Qwen3, Qwen2/2.5 and Llama 3; they differ only in the switches below. Adding an
+architecture is adding an entry to ARCHITECTURES.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# HF architecture name -> the switches that tell its decoder apart.
+ARCHITECTURES: dict[str, dict] = {
+    "Qwen3ForCausalLM": {"qk_norm": True, "qkv_bias": False},
+    "Qwen2ForCausalLM": {"qk_norm": False, "qkv_bias": True},
+    "LlamaForCausalLM": {"qk_norm": False, "qkv_bias": None},  # None: read attention_bias
+    "MistralForCausalLM": {"qk_norm": False, "qkv_bias": False},
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool
+    qkv_bias: bool
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
+        raw = json.loads(cfg_file.read_text())
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs!r} in {cfg_file}; supported: {sorted(ARCHITECTURES)}"
+            )
+        switches = ARCHITECTURES[arch]
+        # transformers 5 writes rope_parameters; older checkpoints write rope_theta + rope_scaling.
+        rope = dict(raw.get("rope_parameters") or {})
+        theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+        scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            scaling = dict(scaling)
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind not in ("default", "llama3"):
+                raise ValueError(f"rope scaling {kind!r} is not supported (supported: default, llama3)")
+            if kind == "default":
+                scaling = None
+        heads = raw["num_attention_heads"]
+        qkv_bias = switches["qkv_bias"]
+        if qkv_bias is None:
+            qkv_bias = bool(raw.get("attention_bias", False))
+        window = raw.get("sliding_window") if raw.get("use_sliding_window", arch == "MistralForCausalLM") else None
+        eos = _eos_ids(path, raw)
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qk_norm=switches["qk_norm"],
+            qkv_bias=qkv_bias,
+            sliding_window=window,
+            eos_token_ids=eos,
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        )
+
+    def weight_bytes(self, bytes_per_param: float) -> int:
+        """Bytes read per decode step at batch 1: every weight once (the tied head counts once)."""
+        return int(self.num_params() * bytes_per_param)
+
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        emb = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + emb + h
+
+
+def _eos_ids(path: Path, raw: dict) -> tuple[int, ...]:
+    """End-of-sequence ids: generation_config.json wins over config.json (it lists chat end tokens too)."""
+    ids: list[int] = []
+    gen = path / "generation_config.json"
+    for source in ((json.loads(gen.read_text()) if gen.is_file() else {}), raw):
+        e = source.get("eos_token_id")
+        if e is None:
+            continue
+        for t in e if isinstance(e, list) else [e]:
+            if t not in ids:
+                ids.append(int(t))
+    return tuple(ids)

@@ -1,0 +1,110 @@
+"""One plain-torch decoder for Qwen3, Qwen2/2.5 and Llama 3 (switches in ModelConfig).
+
+Parameter names follow Hugging Face's (model.layers.N.self_attn..., lm_head) except that q/k/v and
+gate/up are packed into one matrix each: one matmul instead of three (or two) per layer.
+Shapes: T = tokens in the step (all sequences flattened), H = hidden, D = head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from leverlab.layers.attention import AttentionMetadata, attend
+from leverlab.layers.linear import Linear, packed
+from leverlab.layers.norm import RMSNorm
+from leverlab.layers.rotary import Rotary
+from leverlab.models.config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        rows, shards = packed({"q": self.nh * self.hd, "k": self.nkv * self.hd, "v": self.nkv * self.hd})
+        self.qkv_proj = Linear(cfg.hidden_size, rows, bias=cfg.qkv_bias, shards=shards)
+        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.scale = self.hd**-0.5
+
+    def forward(self, positions, x, k_cache, v_cache, meta: AttentionMetadata):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        q, k, v = q.view(t, self.nh, self.hd), k.view(t, self.nkv, self.hd), v.view(t, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = attend(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, nh, D]
+        return self.o_proj(o.view(t, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        rows, shards = packed({"gate": cfg.intermediate_size, "up": cfg.intermediate_size})
+        self.gate_up_proj = Linear(cfg.hidden_size, rows, shards=shards)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions, x, k_cache, v_cache, meta):
+        x = x + self.self_attn(positions, self.input_layernorm(x), k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    # checkpoint name -> (our module name, shard id) for weights packed into one matrix
+    PACKED = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],  # per layer: [2, num_blocks, block_size, KVH, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H] final hidden states (normed)
+        x = self.model.embed_tokens(input_ids)
+        for layer, cache in zip(self.model.layers, kv_caches):
+            x = layer(positions, x, cache[0], cache[1], meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
+        return self.lm_head(hidden).float()

@@ -1,0 +1,86 @@
+"""Load a Hugging Face folder into our CausalLM: config.json + one or many *.safetensors (memory-mapped)."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from leverlab.layers.linear import Linear
+from leverlab.models.config import ModelConfig
+from leverlab.models.decoder import CausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    return files
+
+
+def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.device = "cpu") -> CausalLM:
+    path = Path(path)
+    cfg = ModelConfig.from_folder(path)
+    if cfg.sliding_window is not None:
+        raise ValueError(f"{path.name} uses sliding-window attention, which is not built yet (issue 8)")
+    with _default_dtype(DTYPES[dtype]), torch.device(device):
+        model = CausalLM(cfg)
+    load_weights(model, path)
+    return model.eval()
+
+
+def load_weights(model: CausalLM, path: Path) -> None:
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in checkpoint_files(path):
+        # safe_open maps the file; each tensor is read once and copied into its (converted) parameter.
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if "rotary_emb" in name:
+                    continue
+                if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                    continue
+                _load_one(model, modules, params, name, f.get_tensor(name), loaded)
+    missing = [n for n in params if n not in loaded and not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def _load_one(model, modules, params, name: str, tensor: torch.Tensor, loaded: set[str]) -> None:
+    module_name, _, kind = name.rpartition(".")
+    parent, _, leaf = module_name.rpartition(".")
+    if leaf in CausalLM.PACKED:
+        target, shard = CausalLM.PACKED[leaf]
+        module_name = f"{parent}.{target}"
+    else:
+        shard = None
+    module = modules.get(module_name)
+    if isinstance(module, Linear):
+        module.load(kind, tensor, shard)
+    elif name in params:
+        if params[name].shape != tensor.shape:
+            raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} vs {tuple(params[name].shape)}")
+        params[name].data.copy_(tensor)
+    else:
+        raise ValueError(f"checkpoint weight {name} has no place in {model.config.architecture}")
+    loaded.add(f"{module_name}.{kind}")
