@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from leverlab.errors import UnsupportedLever
+from leverlab.quant.registry import check_kv_cache_dtype, check_quantization
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -28,7 +29,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit count wins over kv_cache_memory
     kv_cache_memory: int | None = None  # bytes; None: a default sized for max_num_seqs full contexts, capped
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = True  # automatic prefix caching (vLLM's default too)
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     speculative_config: dict | None = None
@@ -52,7 +53,6 @@ class EngineConfig:
             raise UnsupportedLever("--tensor-parallel-size > 1 is not built yet (issue 9)")
         if self.speculative_config:
             raise UnsupportedLever("--speculative-config is not built yet (issue 7)")
-        if self.quantization not in (None, "none"):
-            raise UnsupportedLever(f"--quantization {self.quantization} is not built yet (issue 6)")
-        if self.kv_cache_dtype not in ("auto",):
-            raise UnsupportedLever(f"--kv-cache-dtype {self.kv_cache_dtype} is not built yet (issue 6)")
+        # Registry lookups (light: no kernels imported); unknown names are refused with the valid ones listed.
+        self.quantization = check_quantization(self.quantization)
+        self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)

@@ -44,7 +44,10 @@ class LLMEngine:
             log.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, max_len)
             max_len = capacity
         self.max_model_len = max_len
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
+        t0 = time.monotonic()
+        self.runner.warmup()
+        log.info("warm-up (%s) took %.1f s", config.execution_mode, time.monotonic() - t0)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.detokenizer = Detokenizer(self.tokenizer)
         eos = self.model_config.eos_token_ids
@@ -52,6 +55,9 @@ class LLMEngine:
             eos = (self.tokenizer.eos_token_id,)
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
         self.requests: dict[str, Request] = {}
+        # Monotonic totals, exported on /metrics; levers add their own keys.
+        self.counters: dict[str, float] = {"requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0,
+                                           "generation_tokens": 0, "preemptions": 0, "steps": 0}
         self._seq_ids = itertools.count()
         self._rng = torch.Generator().manual_seed(config.seed)
         log.info(
@@ -91,13 +97,16 @@ class LLMEngine:
         return text, ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, prompt_text: str | None = None,
+                    tokenize_s: float | None = None) -> None:
+        """Queue a request. `prompt_text`/`tokenize_s`: set when the caller already tokenized `prompt`."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         t0 = time.monotonic()
         text, ids = self.encode(prompt, params)
         metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else t0)
-        metrics.tokenize_s = time.monotonic() - t0
+        metrics.tokenize_s = tokenize_s if tokenize_s is not None else time.monotonic() - t0
+        text = prompt_text if prompt_text is not None else text
         req = Request(request_id, text, ids, params, metrics)
         for i in range(params.n):
             gen = None
@@ -123,6 +132,7 @@ class LLMEngine:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
         req.metrics.finished_time = time.monotonic()
+        self.counters["requests_aborted"] += 1
         return req.output()
 
     def has_unfinished(self) -> bool:
@@ -133,8 +143,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         for seq in batch.preempted:
             self.requests[seq.request_id].metrics.num_preemptions += 1
+        self.counters["preemptions"] += len(batch.preempted)
         if not batch.seqs:
             return []
+        self.counters["steps"] += 1
         now = time.monotonic()
         for seq in batch.seqs:
             m = self.requests[seq.request_id].metrics
@@ -142,6 +154,7 @@ class LLMEngine:
         result = self.runner.execute(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
+            self.blocks.commit_full_blocks(seq)
         self._record_prompt_logprobs(result.prompt_logits)
         touched: dict[str, Request] = {}
         if result.sample_seqs:
@@ -163,6 +176,9 @@ class LLMEngine:
             if req.finished:
                 req.metrics.finished_time = time.monotonic()
                 del self.requests[req.request_id]
+                self.counters["requests_finished"] += 1
+                self.counters["prompt_tokens"] += len(req.prompt_token_ids)
+                self.counters["generation_tokens"] += sum(len(s.output_token_ids) for s in req.seqs)
         return outputs
 
     def _append(self, req: Request, seq: Sequence, token: int, now: float) -> None:
@@ -211,5 +227,12 @@ class LLMEngine:
                     seq.prompt_logprobs.append(d)
 
     # ---- introspection -----------------------------------------------------------------------------
+    def counter_snapshot(self) -> dict[str, float]:
+        """Monotonic totals for /metrics and bench results: the engine's and each lever's."""
+        return {**self.counters, **self.blocks.stats.as_counters()}
+
+    def reset_prefix_cache(self) -> int:
+        return self.blocks.reset_prefix_cache()
+
     def check_invariants(self) -> None:
         self.blocks.check(self.scheduler.live)

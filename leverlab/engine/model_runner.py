@@ -10,7 +10,7 @@ import torch
 from leverlab.config import EngineConfig
 from leverlab.engine.scheduler import ScheduledBatch
 from leverlab.engine.sequence import Sequence
-from leverlab.layers.attention import AttentionMetadata
+from leverlab.layers.attention import AttentionMetadata, forward_context
 from leverlab.models.loader import DTYPES, load_model
 
 log = logging.getLogger("leverlab")
@@ -35,7 +35,7 @@ class ModelRunner:
         self.config = config
         self.device = pick_device(config.device)
         self.dtype = DTYPES[config.dtype]
-        self.model = load_model(model_path, config.dtype, self.device)
+        self.model = load_model(model_path, config.dtype, self.device, config.quantization)
         self.model_config = self.model.config
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks(max_model_len)
@@ -51,6 +51,21 @@ class ModelRunner:
             from leverlab.engine.compiled import compile_forward
 
             self.forward = compile_forward(self.model, config)
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run the forward once per graph shape (a block-sized chunk, then one token) so that lazy
+        initialization and compilation happen at start-up, not inside the first request's TTFT.
+        It writes into block 0, which any later owner overwrites before reading."""
+        n = min(self.block_size, 16)
+        for t in (n, 1):
+            def i64(x):
+                return torch.tensor(x, dtype=torch.int64, device=self.device)
+
+            meta = AttentionMetadata(i64(list(range(t))), i64([[0]]), i64([t]), i64([0, t]))
+            with forward_context(meta, self.kv_caches):
+                hidden = self.forward(i64([1] * t), i64(list(range(t))))
+            self.model.compute_logits(hidden[-1:])
 
     def kv_bytes_per_token(self) -> int:
         cfg = self.model_config
@@ -97,7 +112,8 @@ class ModelRunner:
 
         meta = AttentionMetadata(slot_mapping=t(slots), block_tables=t(tables), seq_lens=t(seq_lens),
                                  query_start_loc=t(starts))
-        hidden = self.forward(t(ids), t(positions), self.kv_caches, meta)  # [T, H]
+        with forward_context(meta, self.kv_caches):
+            hidden = self.forward(t(ids), t(positions))  # [T, H]
         rows = sample_rows + [r for (_, _, r0, k) in prompt_rows for r in range(r0, r0 + k)]
         logits = self.model.compute_logits(hidden[t(rows)]) if rows else hidden.new_empty(0, 0).float()
         prompt_logits, off = [], len(sample_rows)

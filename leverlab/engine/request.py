@@ -38,6 +38,7 @@ class Request:
             for i, s in enumerate(self.seqs)
         ]
         first = self.seqs[0]
+        self.metrics.num_cached_prompt_tokens = first.num_cached_tokens or 0
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,

@@ -67,8 +67,12 @@ class Scheduler:
         # Admit waiting sequences in order; never overtake one that does not fit (no starvation).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
+            if not seq.block_table:
+                seq.num_computed_tokens = self.blocks.match_prefix(seq)  # reuse cached prompt blocks
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
+                self.blocks.release(seq)  # give the matched blocks back until it fits
+                seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             self.blocks.grow(seq, seq.num_computed_tokens + n)

@@ -32,7 +32,9 @@ class Sequence:
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks registered so far
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     finish_reason: str | None = None

@@ -5,11 +5,15 @@ list of blocks (its block table); token t of a sequence lives at slot block_tabl
 
 The kernel is registered as a torch custom op, so that a compiled model treats it as one opaque call:
 Inductor compiles the projections and MLPs around it while the cache writes and the per-sequence
-bookkeeping stay in plain eager PyTorch.
+bookkeeping stay in plain eager PyTorch. The step's layout and the cache tensors reach the op through a
+forward context set by the model runner around each forward, not as graph inputs: as inputs, their
+changing shapes (batch size, block-table width) would make the compiled graph guard and recompile.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +30,40 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int64: offsets of each sequence's new tokens in the batch
 
 
-@torch.library.custom_op("leverlab::paged_attention", mutates_args=("k_cache", "v_cache"))
-def paged_attention(
+@dataclass
+class ForwardContext:
+    meta: AttentionMetadata
+    kv_caches: list[torch.Tensor]  # per layer [2, num_blocks, block_size, KVH, D]
+
+
+_CONTEXT: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> Iterator[None]:
+    global _CONTEXT
+    _CONTEXT = ForwardContext(meta, kv_caches)
+    try:
+        yield
+    finally:
+        _CONTEXT = None
+
+
+@torch.library.custom_op("leverlab::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] for this step's new tokens -> [T, H, D]; writes k/v into layer's cache."""
+    assert _CONTEXT is not None, "paged_attention runs only inside forward_context()"
+    meta, cache = _CONTEXT.meta, _CONTEXT.kv_caches[layer]
+    return attention_impl(q, k, v, cache[0], cache[1], meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                          meta.query_start_loc, scale)
+
+
+@paged_attention.register_fake
+def _(q, k, v, layer, scale):
+    return torch.empty_like(q)
+
+
+def attention_impl(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,  # [T, KVH, D]
@@ -86,14 +122,3 @@ def paged_attention(
         )
         out[s:e] = o.transpose(0, 1)
     return out
-
-
-@paged_attention.register_fake
-def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale):
-    return torch.empty_like(q)
-
-
-def attend(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    return paged_attention(
-        q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
-    )

@@ -20,9 +20,12 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.shards = shards or {}
+        self.quant_method = None  # a leverlab.quant QuantMethod, set by the loader; None: plain float weights
 
     def load(self, kind: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         """Copy one checkpoint tensor (`kind` is "weight" or "bias") into its rows of the packed parameter."""
+        if self.quant_method is not None and self.quant_method.load(self, kind, tensor, shard):
+            return  # a pre-quantized tensor (qweight, scales, ...), taken by the method
         param = self.weight if kind == "weight" else self.bias
         if param is None:
             raise ValueError(f"checkpoint has a {kind} this layer does not take")
@@ -36,6 +39,8 @@ class Linear(nn.Module):
         target.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x)
         return F.linear(x, self.weight, self.bias)
 
 

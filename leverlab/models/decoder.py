@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leverlab.layers.attention import AttentionMetadata, attend
+from leverlab.layers.attention import paged_attention
 from leverlab.layers.linear import Linear, packed
 from leverlab.layers.norm import RMSNorm
 from leverlab.layers.rotary import Rotary
@@ -19,8 +19,9 @@ from leverlab.models.config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, layer: int):
         super().__init__()
+        self.layer = layer
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         rows, shards = packed({"q": self.nh * self.hd, "k": self.nkv * self.hd, "v": self.nkv * self.hd})
         self.qkv_proj = Linear(cfg.hidden_size, rows, bias=cfg.qkv_bias, shards=shards)
@@ -30,14 +31,14 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.scale = self.hd**-0.5
 
-    def forward(self, positions, x, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, positions, x):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
         q, k, v = q.view(t, self.nh, self.hd), k.view(t, self.nkv, self.hd), v.view(t, self.nkv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = attend(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, nh, D]
+        o = paged_attention(q, k, v, self.layer, self.scale)  # [T, nh, D]; K/V go to the paged cache
         return self.o_proj(o.view(t, self.nh * self.hd))
 
 
@@ -54,15 +55,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg, rotary, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions, x, k_cache, v_cache, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), k_cache, v_cache, meta)
+    def forward(self, positions, x):
+        x = x + self.self_attn(positions, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -72,7 +73,7 @@ class Backbone(nn.Module):
         rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -94,16 +95,11 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[torch.Tensor],  # per layer: [2, num_blocks, block_size, KVH, D]
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H] final hidden states (normed)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> final normed hidden states [T, H]. Runs inside forward_context()."""
         x = self.model.embed_tokens(input_ids)
-        for layer, cache in zip(self.model.layers, kv_caches):
-            x = layer(positions, x, cache[0], cache[1], meta)
+        for layer in self.model.layers:
+            x = layer(positions, x)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32

@@ -12,6 +12,8 @@ from safetensors import safe_open
 from leverlab.layers.linear import Linear
 from leverlab.models.config import ModelConfig
 from leverlab.models.decoder import CausalLM
+from leverlab.quant.base import attach_quant_method, finish_quantization
+from leverlab.quant.registry import get_quant_method, quant_method_for_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,15 +39,27 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.device = "cpu") -> CausalLM:
+def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.device = "cpu",
+               quantization: str | None = None) -> CausalLM:
+    """`quantization`: a --quantization name (quantize at load time); a checkpoint that carries its own
+    quantization_config (AWQ, GPTQ, `leverlab quantize` output) is read in its format whatever it is None."""
     path = Path(path)
     cfg = ModelConfig.from_folder(path)
     if cfg.sliding_window is not None:
         raise ValueError(f"{path.name} uses sliding-window attention, which is not built yet (issue 8)")
+    method = resolve_quant_method(path, quantization)
     with _default_dtype(DTYPES[dtype]), torch.device(device):
         model = CausalLM(cfg)
+    quantized = attach_quant_method(model, method) if method is not None else []
     load_weights(model, path)
+    finish_quantization(quantized)
+    model.quant_method = method
     return model.eval()
+
+
+def resolve_quant_method(path: Path, quantization: str | None):
+    qcfg = json.loads((path / "config.json").read_text()).get("quantization_config")
+    return quant_method_for_checkpoint(qcfg, quantization) if qcfg else get_quant_method(quantization)
 
 
 def load_weights(model: CausalLM, path: Path) -> None:

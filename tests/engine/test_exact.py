@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from leverlab import LLM, SamplingParams
-from leverlab.layers.attention import AttentionMetadata
+from leverlab.layers.attention import AttentionMetadata, forward_context
 from leverlab.models.loader import load_model
 from tests.checkpoints import ARCHS
 
@@ -27,7 +27,8 @@ def test_logits_match_transformers(checkpoint_factory, arch):
     caches = [torch.zeros(2, 4, 16, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
     meta = AttentionMetadata(torch.arange(t), torch.tensor([[0, 1, 2]]), torch.tensor([t]), torch.tensor([0, t]))
     with torch.no_grad():
-        logits = ours.compute_logits(ours(ids, torch.arange(t), caches, meta))
+        with forward_context(meta, caches):
+            logits = ours.compute_logits(ours(ids, torch.arange(t)))
         expected = ref(ids[None]).logits[0]
     assert torch.allclose(logits, expected, atol=1e-4, rtol=0), (logits - expected).abs().max()
 

@@ -1,0 +1,37 @@
+"""The fast path: the model's forward compiled by Inductor, with the compiled code cached on disk.
+
+Why this shape: decode on a CPU is bound by how fast the weights stream through the matmuls. Inductor with
+frozen weights (constants it can prepack) and max-autotune picks its own GEMM templates and fuses the
+norms, rotary and activations around them; the paged-attention custom op stays an opaque eager call, so
+one graph serves every batch layout. The token count is a dynamic dimension: one compilation covers
+prefill chunks and decode batches of any size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from leverlab.config import EngineConfig
+
+log = logging.getLogger("leverlab")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LEVERLAB_CACHE", Path.home() / ".cache" / "leverlab"))
+
+
+def compile_forward(model: torch.nn.Module, config: EngineConfig):
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    import torch._inductor.config as inductor_config
+
+    # Set globally: passing {"freezing": True} through torch.compile's options is silently ignored.
+    inductor_config.freezing = True
+    inductor_config.fx_graph_cache = True
+    if model.lm_head.weight.device.type == "cpu":
+        inductor_config.cpp.weight_prepack = True
+    return torch.compile(model.forward, dynamic=True, fullgraph=False,
+                         mode=os.environ.get("LEVERLAB_COMPILE_MODE", "max-autotune-no-cudagraphs"))
