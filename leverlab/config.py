@@ -52,7 +52,9 @@ class EngineConfig:
         if self.tensor_parallel_size != 1:
             raise UnsupportedLever("--tensor-parallel-size > 1 is not built yet (issue 9)")
         if self.speculative_config:
-            raise UnsupportedLever("--speculative-config is not built yet (issue 7)")
+            from leverlab.spec.config import SpeculativeConfig
+
+            SpeculativeConfig.from_dict(self.speculative_config)  # refuses what is not built, clearly
         # Registry lookups (light: no kernels imported); unknown names are refused with the valid ones listed.
         self.quantization = check_quantization(self.quantization)
         self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)

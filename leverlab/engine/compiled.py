@@ -32,6 +32,6 @@ def compile_forward(model: torch.nn.Module, config: EngineConfig):
     inductor_config.freezing = True
     inductor_config.fx_graph_cache = True
     if model.lm_head.weight.device.type == "cpu":
-        inductor_config.cpp.weight_prepack = True
+        inductor_config.cpp.weight_prepack = os.environ.get("LEVERLAB_WEIGHT_PREPACK", "0") == "1"
     return torch.compile(model.forward, dynamic=True, fullgraph=False,
                          mode=os.environ.get("LEVERLAB_COMPILE_MODE", "max-autotune-no-cudagraphs"))

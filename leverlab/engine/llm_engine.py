@@ -21,6 +21,9 @@ from leverlab.errors import RequestError
 from leverlab.models.config import ModelConfig
 from leverlab.outputs import RequestMetrics, RequestOutput
 from leverlab.sampling_params import SamplingParams
+from leverlab.spec.config import SpeculativeConfig
+from leverlab.spec.ngram import NgramProposer
+from leverlab.spec.verify import verify
 
 log = logging.getLogger("leverlab")
 
@@ -60,6 +63,12 @@ class LLMEngine:
                                            "generation_tokens": 0, "preemptions": 0, "steps": 0}
         self._seq_ids = itertools.count()
         self._rng = torch.Generator().manual_seed(config.seed)
+        self.spec_config = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config else None
+        self.proposer = None
+        if self.spec_config is not None:
+            self.proposer = NgramProposer(self.spec_config.prompt_lookup_min, self.spec_config.prompt_lookup_max)
+            self.counters.update(spec_draft_tokens=0, spec_accepted_tokens=0, spec_verify_steps=0)
+        self.spec_accepted_per_pos = [0] * (self.spec_config.num_speculative_tokens if self.spec_config else 0)
         log.info(
             "model %s (%s, %.1fM params) dtype=%s device=%s mode=%s; KV cache: %d blocks x %d tokens "
             "(%.0f MiB), max_model_len=%d, fits %d sequences of full length",
@@ -140,6 +149,8 @@ class LLMEngine:
 
     # ---- the step loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.proposer is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         for seq in batch.preempted:
             self.requests[seq.request_id].metrics.num_preemptions += 1
@@ -154,22 +165,24 @@ class LLMEngine:
         result = self.runner.execute(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            self.blocks.commit_full_blocks(seq)
         self._record_prompt_logprobs(result.prompt_logits)
+        emitted = self._choose_tokens(result)
+        for seq in batch.seqs:
+            self.blocks.commit_full_blocks(seq)  # after the rollback: only accepted tokens are reusable
         touched: dict[str, Request] = {}
-        if result.sample_seqs:
-            tokens = sample(result.logits, result.sample_seqs, self.eos_token_ids)
-            chosen = torch.tensor(tokens)
-            want = [s.params.logprobs is not None for s in result.sample_seqs]
-            if any(want):
-                lps = top_logprobs(result.logits, chosen, [s.params.logprobs or 0 for s in result.sample_seqs])
-            now = time.monotonic()
-            for row, (seq, tok) in enumerate(zip(result.sample_seqs, tokens)):
-                req = self.requests[seq.request_id]
-                if want[row]:
-                    seq.logprobs.append(lps[row])
+        now = time.monotonic()
+        for seq, tokens, rows in emitted:
+            seq.spec_token_ids = []
+            req = self.requests[seq.request_id]
+            n_lp = seq.params.logprobs
+            lps = top_logprobs(rows[: len(tokens)], torch.tensor(tokens), [n_lp] * len(tokens)) if n_lp is not None else None
+            for j, tok in enumerate(tokens):
+                if lps is not None:
+                    seq.logprobs.append(lps[j])
                 self._append(req, seq, tok, now)
-                touched[req.request_id] = req
+                if seq.finish_reason is not None:
+                    break
+            touched[req.request_id] = req
         outputs = []
         for req in touched.values():
             outputs.append(req.output())
@@ -180,6 +193,51 @@ class LLMEngine:
                 self.counters["prompt_tokens"] += len(req.prompt_token_ids)
                 self.counters["generation_tokens"] += sum(len(s.output_token_ids) for s in req.seqs)
         return outputs
+
+    def _choose_tokens(self, result) -> list[tuple[Sequence, list[int], torch.Tensor]]:
+        """Sample each sequence's next token; verify drafted ones and roll their rejected KV back.
+        Returns (sequence, emitted tokens, the logits rows they came from)."""
+        plain, plain_rows, out, off = [], [], [], 0
+        spans = []
+        for seq, k1 in zip(result.sample_seqs, result.rows_per_seq):
+            spans.append((seq, result.logits[off : off + k1]))
+            off += k1
+        for seq, rows in spans:
+            if not seq.spec_token_ids:
+                plain.append(seq)
+                plain_rows.append(rows)
+                continue
+            drafts = seq.spec_token_ids
+            tokens = verify(seq, rows, drafts)
+            accepted = len(tokens) - 1
+            # KV was written for the last token and every draft; only the accepted drafts' entries are valid.
+            seq.num_computed_tokens -= len(drafts) - accepted
+            self.counters["spec_draft_tokens"] += len(drafts)
+            self.counters["spec_accepted_tokens"] += accepted
+            self.counters["spec_verify_steps"] += 1
+            for j in range(accepted):
+                self.spec_accepted_per_pos[j] += 1
+            out.append((seq, tokens, rows))
+        if plain:
+            logits = torch.cat(plain_rows)
+            for seq, tok, rows in zip(plain, sample(logits, plain, self.eos_token_ids), plain_rows):
+                out.append((seq, [tok], rows))
+        return out
+
+    def _propose(self) -> None:
+        """Draft tokens for decoding sequences, unless the batch is too large for speculation to pay."""
+        sc = self.spec_config
+        running = self.scheduler.running
+        if sc.disable_by_batch_size is not None and len(running) > sc.disable_by_batch_size:
+            return
+        for seq in running:
+            p = seq.params
+            if seq.num_computed_tokens != seq.num_tokens - 1 or len(seq.output_token_ids) < p.min_tokens:
+                continue  # still prefilling, or end tokens are still banned (min_tokens)
+            left = (p.max_tokens if p.max_tokens is not None else self.max_model_len) - len(seq.output_token_ids)
+            k = min(sc.num_speculative_tokens, left - 1, self.max_model_len - seq.num_tokens)
+            if k > 0:
+                seq.spec_token_ids = self.proposer.propose(seq, k)[:k]
 
     def _append(self, req: Request, seq: Sequence, token: int, now: float) -> None:
         seq.output_token_ids.append(token)
@@ -229,7 +287,8 @@ class LLMEngine:
     # ---- introspection -----------------------------------------------------------------------------
     def counter_snapshot(self) -> dict[str, float]:
         """Monotonic totals for /metrics and bench results: the engine's and each lever's."""
-        return {**self.counters, **self.blocks.stats.as_counters()}
+        per_pos = {f"spec_accepted_pos_{j}": v for j, v in enumerate(self.spec_accepted_per_pos)}
+        return {**self.counters, **self.blocks.stats.as_counters(), **per_pos}
 
     def reset_prefix_cache(self) -> int:
         return self.blocks.reset_prefix_cache()

@@ -12,6 +12,7 @@ from leverlab.engine.scheduler import ScheduledBatch
 from leverlab.engine.sequence import Sequence
 from leverlab.layers.attention import AttentionMetadata, forward_context
 from leverlab.models.loader import DTYPES, load_model
+from leverlab.quant import kv_cache as kv_quant
 
 log = logging.getLogger("leverlab")
 
@@ -25,7 +26,9 @@ def pick_device(name: str) -> torch.device:
 @dataclass
 class StepLogits:
     sample_seqs: list[Sequence]  # sequences whose next token is sampled this step
-    logits: torch.Tensor  # [len(sample_seqs), V] float32
+    # [sum of rows, V] float32: one row per sampled sequence, 1 + k rows for one verifying k drafts
+    logits: torch.Tensor
+    rows_per_seq: list[int]
     # (sequence, first target position, logits [k, V]) for prompt-logprob requests
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]]
 
@@ -40,12 +43,11 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks(max_model_len)
         cfg = self.model_config
-        # Per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_caches = [
-            torch.zeros(2, self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
-                        dtype=self.dtype, device=self.device)
-            for _ in range(cfg.num_layers)
-        ]
+        # Per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]; with --kv-cache-dtype int8/fp8
+        # one byte per element plus kv_scales [2, num_blocks, block_size, num_kv_heads] (quant/kv_cache.py).
+        self.kv_caches, self.kv_scales = kv_quant.allocate(
+            config.kv_cache_dtype, self.dtype, cfg.num_layers, self.num_blocks, self.block_size,
+            cfg.num_kv_heads, cfg.head_dim, self.device)
         self.forward = self.model.forward
         if config.execution_mode == "compiled":
             from leverlab.engine.compiled import compile_forward
@@ -63,13 +65,14 @@ class ModelRunner:
                 return torch.tensor(x, dtype=torch.int64, device=self.device)
 
             meta = AttentionMetadata(i64(list(range(t))), i64([[0]]), i64([t]), i64([0, t]))
-            with forward_context(meta, self.kv_caches):
+            with forward_context(meta, self.kv_caches, self.kv_scales):
                 hidden = self.forward(i64([1] * t), i64(list(range(t))))
             self.model.compute_logits(hidden[-1:])
 
     def kv_bytes_per_token(self) -> int:
         cfg = self.model_config
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(self.dtype).bits // 8
+        return kv_quant.bytes_per_token(self.config.kv_cache_dtype, self.dtype, cfg.num_layers, cfg.num_kv_heads,
+                                        cfg.head_dim)
 
     def _num_blocks(self, max_model_len: int) -> int:
         if self.config.num_kv_blocks:
@@ -96,8 +99,9 @@ class ModelRunner:
             row0 = starts[-1]
             starts.append(row0 + n)
             seq_lens.append(end)
-            if end == seq.num_tokens:
-                sample_rows.append(row0 + n - 1)
+            if end == seq.num_tokens + len(seq.spec_token_ids):
+                k = len(seq.spec_token_ids)  # the last token's row, then one row after each draft
+                sample_rows += range(row0 + n - 1 - k, row0 + n)
                 sample_seqs.append(seq)
             if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
                 # Row r predicts position start + r + 1; keep those that are prompt positions.
@@ -112,7 +116,7 @@ class ModelRunner:
 
         meta = AttentionMetadata(slot_mapping=t(slots), block_tables=t(tables), seq_lens=t(seq_lens),
                                  query_start_loc=t(starts))
-        with forward_context(meta, self.kv_caches):
+        with forward_context(meta, self.kv_caches, self.kv_scales):
             hidden = self.forward(t(ids), t(positions))  # [T, H]
         rows = sample_rows + [r for (_, _, r0, k) in prompt_rows for r in range(r0, r0 + k)]
         logits = self.model.compute_logits(hidden[t(rows)]) if rows else hidden.new_empty(0, 0).float()
@@ -120,4 +124,5 @@ class ModelRunner:
         for seq, first, _, k in prompt_rows:
             prompt_logits.append((seq, first, logits[off:off + k]))
             off += k
-        return StepLogits(sample_seqs, logits[: len(sample_rows)], prompt_logits)
+        return StepLogits(sample_seqs, logits[: len(sample_rows)], [1 + len(s.spec_token_ids) for s in sample_seqs],
+                          prompt_logits)

@@ -6,6 +6,7 @@ import torch
 
 from leverlab.engine.sequence import Sequence
 from leverlab.outputs import PositionLogprobs
+from leverlab.sampling_params import SamplingParams
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> list[int]:
@@ -14,23 +15,28 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...])
     greedy = logits.argmax(dim=-1).tolist()
     tokens = []
     for row, seq in enumerate(seqs):
-        p = seq.params
-        if p.greedy:
+        if seq.params.greedy:
             tokens.append(greedy[row])
-            continue
-        x = logits[row] / p.temperature
-        if p.top_k > 0 and p.top_k < x.numel():
-            kth = torch.topk(x, p.top_k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        probs = torch.softmax(x, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-        tokens.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
+        else:
+            tokens.append(int(torch.multinomial(probabilities(logits[row], seq.params), 1, generator=seq.generator)))
     return tokens
+
+
+def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled token is drawn from: [V] logits -> [V] probabilities after
+    temperature, top-k and top-p. Speculative verification uses the same function, so both agree."""
+    x = logits / p.temperature
+    if p.top_k > 0 and p.top_k < x.numel():
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return probs
 
 
 def _apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> torch.Tensor:

@@ -48,9 +48,15 @@ class Scheduler:
         running = list(self.running)
         while running:
             seq = running.pop(0)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            wanted = seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens
+            n = min(wanted, budget)
             if n <= 0:
                 continue
+            if n < wanted and seq.spec_token_ids:  # drafts that do not fit the budget are dropped
+                seq.spec_token_ids = seq.spec_token_ids[: max(0, len(seq.spec_token_ids) - (wanted - n))]
+            if seq.spec_token_ids and not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
+                n -= len(seq.spec_token_ids)  # speculation never costs a preemption: drop the drafts first
+                seq.spec_token_ids = []
             # Make room: preempt the newest running sequences (possibly this one) until the blocks fit.
             while not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
                 victim = running.pop() if running else seq
@@ -88,6 +94,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.release(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 

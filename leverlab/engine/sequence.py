@@ -32,6 +32,7 @@ class Sequence:
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # drafted tokens being verified this step
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks registered so far
@@ -52,7 +53,7 @@ class Sequence:
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        return (self.prompt_token_ids + self.output_token_ids + self.spec_token_ids)[start:end]
 
     @property
     def last_token(self) -> int:

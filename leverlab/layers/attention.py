@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from leverlab.quant import kv_cache as kv_quant
+
 
 @dataclass
 class AttentionMetadata:
@@ -34,15 +36,18 @@ class AttentionMetadata:
 class ForwardContext:
     meta: AttentionMetadata
     kv_caches: list[torch.Tensor]  # per layer [2, num_blocks, block_size, KVH, D]
+    # --kv-cache-dtype int8/fp8 (leverlab/quant/kv_cache.py): per layer [2, num_blocks, block_size, KVH] scales
+    kv_scales: list[torch.Tensor] | None = None
 
 
 _CONTEXT: ForwardContext | None = None
 
 
 @contextmanager
-def forward_context(meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> Iterator[None]:
+def forward_context(meta: AttentionMetadata, kv_caches: list[torch.Tensor],
+                    kv_scales: list[torch.Tensor] | None = None) -> Iterator[None]:
     global _CONTEXT
-    _CONTEXT = ForwardContext(meta, kv_caches)
+    _CONTEXT = ForwardContext(meta, kv_caches, kv_scales)
     try:
         yield
     finally:
@@ -54,8 +59,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     """q [T, H, D], k/v [T, KVH, D] for this step's new tokens -> [T, H, D]; writes k/v into layer's cache."""
     assert _CONTEXT is not None, "paged_attention runs only inside forward_context()"
     meta, cache = _CONTEXT.meta, _CONTEXT.kv_caches[layer]
+    scales = _CONTEXT.kv_scales[layer] if _CONTEXT.kv_scales is not None else (None, None)
     return attention_impl(q, k, v, cache[0], cache[1], meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                          meta.query_start_loc, scale)
+                          meta.query_start_loc, scale, k_scale=scales[0], v_scale=scales[1])
 
 
 @paged_attention.register_fake
@@ -74,11 +80,24 @@ def attention_impl(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, KVH]: set when the cache is int8/fp8
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k.shape[1], k_cache.shape[1]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    # ---- KV-cache dtype hook (issue 6): quantized caches are written and gathered by quant/kv_cache.py.
+    if k_scale is not None:
+        kv_quant.write(k_cache, k_scale, k, slot_mapping)
+        kv_quant.write(v_cache, v_scale, v, slot_mapping)
+    else:
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+    def blocks(cache, cache_scale, table):  # cache[table] in q's dtype: [*table.shape, block_size, KVH, D]
+        if cache_scale is None:
+            return cache[table].to(q.dtype)
+        return kv_quant.gather(cache, cache_scale, table, q.dtype)
+    # ---- end of the hook
     lens = seq_lens.tolist()
     batch = len(lens)
 
@@ -87,8 +106,8 @@ def attention_impl(
         max_len = max(lens)
         nblocks = -(-max_len // block_size)
         table = block_tables[:, :nblocks]
-        keys = k_cache[table].view(batch, nblocks * block_size, num_kv_heads, head_dim)[:, :max_len]
-        values = v_cache[table].view(batch, nblocks * block_size, num_kv_heads, head_dim)[:, :max_len]
+        keys = blocks(k_cache, k_scale, table).view(batch, nblocks * block_size, num_kv_heads, head_dim)[:, :max_len]
+        values = blocks(v_cache, v_scale, table).view(batch, nblocks * block_size, num_kv_heads, head_dim)[:, :max_len]
         mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, H, 1, D]
@@ -107,8 +126,8 @@ def attention_impl(
         s, e = starts[i], starts[i + 1]
         nblocks = -(-ctx // block_size)
         table = block_tables[i, :nblocks]
-        keys = k_cache[table].view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1).to(q.dtype)
-        values = v_cache[table].view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1).to(q.dtype)
+        keys = blocks(k_cache, k_scale, table).view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
+        values = blocks(v_cache, v_scale, table).view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
         qi = q[s:e].transpose(0, 1)  # [H, q_len, D]
         q_len = e - s
         if q_len == ctx:

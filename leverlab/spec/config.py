@@ -1,0 +1,43 @@
+"""--speculative-config, in the JSON shape vLLM users know."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from leverlab.errors import UnsupportedLever
+
+METHODS = ("ngram", "draft_model", "eagle")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int = 3
+    model: str | None = None  # draft model folder (draft_model) or head folder (eagle)
+    prompt_lookup_min: int = 2  # ngram: shortest suffix to look up
+    prompt_lookup_max: int = 4  # ngram: longest suffix to look up
+    disable_by_batch_size: int | None = None  # no speculation while more sequences than this are running
+    adaptive: bool = False  # choose K per step (0 included) from measured acceptance and batch size
+    draft_tensor_parallel_size: int = 1  # the draft keeps its own degree, never forced to the target's
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> SpeculativeConfig:
+        if not isinstance(raw, dict):
+            raise UnsupportedLever(f"--speculative-config must be a JSON object, got {raw!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise UnsupportedLever(f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}")
+        method = raw.get("method")
+        if method is None and raw.get("model"):
+            method = "draft_model"
+        cfg = cls(**{**raw, "method": method})
+        if cfg.method not in METHODS:
+            raise UnsupportedLever(f"--speculative-config method {cfg.method!r} is not one of {list(METHODS)}")
+        if cfg.method != "ngram":
+            raise UnsupportedLever(f"speculative method {cfg.method!r} is not built yet (issue 7); 'ngram' is")
+        if not 1 <= cfg.num_speculative_tokens <= 16:
+            raise UnsupportedLever("num_speculative_tokens must be in [1, 16]")
+        if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
+            raise UnsupportedLever("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        return cfg

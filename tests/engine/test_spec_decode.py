@@ -1,0 +1,86 @@
+"""Speculative decoding is lossless: greedy tokens identical to plain decoding (float32); sampled output
+follows the target distribution; KV blocks all free afterwards."""
+
+import collections
+
+import pytest
+import torch
+
+from leverlab import LLM, SamplingParams
+from leverlab.engine.sequence import Sequence
+from leverlab.errors import UnsupportedLever
+from leverlab.spec.ngram import NgramProposer
+from leverlab.spec.verify import verify
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Repetitive prompts give the n-gram proposer something to find; varied lengths mix prefill and decode.
+PROMPTS = [[5, 6, 7, 8] * 6, list(range(30, 60)), [9, 10] * 9 + [11], [3] * 5, list(range(100, 104)) * 3]
+
+
+@pytest.fixture(scope="module")
+def path(checkpoint_factory):
+    return checkpoint_factory("qwen3")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_greedy_identical_to_plain_decoding(checkpoint_factory, arch):
+    path = checkpoint_factory(arch)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)
+    plain = LLM(path, dtype="float32").generate(PROMPTS, params)
+    spec = LLM(path, dtype="float32", speculative_config=NGRAM)
+    outs = spec.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    for a, b in zip(outs, plain):
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+    c = spec.engine.counter_snapshot()
+    assert c["spec_draft_tokens"] > 0 and c["spec_accepted_tokens"] > 0, "the test should exercise acceptance"
+    assert spec.engine.blocks.num_free == spec.engine.blocks.num_blocks
+    spec.engine.check_invariants()
+
+
+def test_disable_by_batch_size(path):
+    llm = LLM(path, dtype="float32", speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    batch_drafts = llm.engine.counter_snapshot()["spec_draft_tokens"]
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert llm.engine.counter_snapshot()["spec_draft_tokens"] > batch_drafts
+
+
+def test_stops_and_limits_hold_under_speculation(path):
+    plain = LLM(path, dtype="float32")
+    spec = LLM(path, dtype="float32", speculative_config=NGRAM)
+    base = plain.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=25, ignore_eos=True))[0].outputs[0]
+    stop_tok = base.token_ids[9]
+    for params in (SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+                   SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, stop_token_ids=[stop_tok])):
+        a = plain.generate([PROMPTS[0]], params)[0].outputs[0]
+        b = spec.generate([PROMPTS[0]], params)[0].outputs[0]
+        assert (a.token_ids, a.finish_reason, a.text) == (b.token_ids, b.finish_reason, b.text)
+
+
+def test_ngram_proposer_finds_latest_match():
+    seq = Sequence(0, "r", 0, [1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], SamplingParams(), None)
+    assert NgramProposer(1, 3).propose(seq, 2) == [7, 8]
+    assert NgramProposer(2, 3).propose(Sequence(0, "r", 0, [4, 5, 6], SamplingParams(), None), 2) == []
+
+
+def test_rejection_sampling_follows_target_distribution():
+    # Target distribution p over 4 tokens; drafts always propose token 2 (a point mass, as n-gram does).
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = torch.log(p).repeat(2, 1)  # [k + 1, V] with k = 1
+    seq = Sequence(0, "r", 0, [1], SamplingParams(temperature=1.0, seed=0), torch.Generator().manual_seed(0))
+    n = 20000
+    first = collections.Counter(verify(seq, logits, [2])[0] for _ in range(n))
+    freq = torch.tensor([first[i] / n for i in range(4)])
+    # Chi-square style bound: every frequency within 4 standard errors of p.
+    assert torch.all((freq - p).abs() < 4 * torch.sqrt(p * (1 - p) / n)), freq
+
+
+def test_unbuilt_methods_are_refused():
+    from leverlab.config import EngineConfig
+
+    with pytest.raises(UnsupportedLever, match="not built yet"):
+        EngineConfig(model="x", speculative_config={"method": "eagle", "model": "h"})
+    with pytest.raises(UnsupportedLever, match="unknown keys"):
+        EngineConfig(model="x", speculative_config={"method": "ngram", "k": 3})
