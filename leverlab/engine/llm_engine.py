@@ -21,6 +21,7 @@ from leverlab.errors import RequestError
 from leverlab.models.config import ModelConfig
 from leverlab.outputs import RequestMetrics, RequestOutput
 from leverlab.sampling_params import SamplingParams
+from leverlab.spec.adaptive import AdaptiveK
 from leverlab.spec.config import SpeculativeConfig
 from leverlab.spec.ngram import NgramProposer
 from leverlab.spec.verify import verify
@@ -68,6 +69,9 @@ class LLMEngine:
         if self.spec_config is not None:
             self.proposer = NgramProposer(self.spec_config.prompt_lookup_min, self.spec_config.prompt_lookup_max)
             self.counters.update(spec_draft_tokens=0, spec_accepted_tokens=0, spec_verify_steps=0)
+        self.adaptive = None
+        if self.spec_config is not None and self.spec_config.adaptive:
+            self.adaptive = AdaptiveK(self.spec_config.num_speculative_tokens)
         self.spec_accepted_per_pos = [0] * (self.spec_config.num_speculative_tokens if self.spec_config else 0)
         log.info(
             "model %s (%s, %.1fM params) dtype=%s device=%s mode=%s; KV cache: %d blocks x %d tokens "
@@ -140,6 +144,8 @@ class LLMEngine:
             if not seq.finished:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
+            if self.adaptive is not None:
+                self.adaptive.forget(seq.seq_id)
         req.metrics.finished_time = time.monotonic()
         self.counters["requests_aborted"] += 1
         return req.output()
@@ -162,7 +168,10 @@ class LLMEngine:
         for seq in batch.seqs:
             m = self.requests[seq.request_id].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
+        t0 = time.perf_counter()
         result = self.runner.execute(batch)
+        if self.adaptive is not None:
+            self.adaptive.observe_step(batch.num_tokens, time.perf_counter() - t0)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         self._record_prompt_logprobs(result.prompt_logits)
@@ -189,6 +198,9 @@ class LLMEngine:
             if req.finished:
                 req.metrics.finished_time = time.monotonic()
                 del self.requests[req.request_id]
+                if self.adaptive is not None:
+                    for s in req.seqs:
+                        self.adaptive.forget(s.seq_id)
                 self.counters["requests_finished"] += 1
                 self.counters["prompt_tokens"] += len(req.prompt_token_ids)
                 self.counters["generation_tokens"] += sum(len(s.output_token_ids) for s in req.seqs)
@@ -217,6 +229,8 @@ class LLMEngine:
             self.counters["spec_verify_steps"] += 1
             for j in range(accepted):
                 self.spec_accepted_per_pos[j] += 1
+            if self.adaptive is not None:
+                self.adaptive.observe_verify(seq.seq_id, len(drafts), accepted)
             out.append((seq, tokens, rows))
         if plain:
             logits = torch.cat(plain_rows)
@@ -230,6 +244,7 @@ class LLMEngine:
         running = self.scheduler.running
         if sc.disable_by_batch_size is not None and len(running) > sc.disable_by_batch_size:
             return
+        drafted: list[Sequence] = []
         for seq in running:
             p = seq.params
             if seq.num_computed_tokens != seq.num_tokens - 1 or len(seq.output_token_ids) < p.min_tokens:
@@ -238,6 +253,12 @@ class LLMEngine:
             k = min(sc.num_speculative_tokens, left - 1, self.max_model_len - seq.num_tokens)
             if k > 0:
                 seq.spec_token_ids = self.proposer.propose(seq, k)[:k]
+                drafted.append(seq)
+        if self.adaptive is not None and drafted:
+            base = sum(s.num_tokens - s.num_computed_tokens for s in running)
+            ks = self.adaptive.choose([(s.seq_id, len(s.spec_token_ids)) for s in drafted], base)
+            for seq, k in zip(drafted, ks):
+                seq.spec_token_ids = seq.spec_token_ids[:k]
 
     def _append(self, req: Request, seq: Sequence, token: int, now: float) -> None:
         seq.output_token_ids.append(token)

@@ -84,3 +84,26 @@ def test_unbuilt_methods_are_refused():
         EngineConfig(model="x", speculative_config={"method": "eagle", "model": "h"})
     with pytest.raises(UnsupportedLever, match="unknown keys"):
         EngineConfig(model="x", speculative_config={"method": "ngram", "k": 3})
+
+
+def test_adaptive_is_lossless_too(path):
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = LLM(path, dtype="float32").generate(PROMPTS, params)
+    outs = LLM(path, dtype="float32", speculative_config={**NGRAM, "adaptive": True}).generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_adaptive_k_follows_acceptance_and_cost():
+    from leverlab.spec.adaptive import AdaptiveK
+
+    a = AdaptiveK(k_max=4, prior_acceptance=0.9)
+    for t in (1, 2, 4, 8):  # cheap extra tokens: one weight pass dominates
+        a.observe_step(t, 0.050 + 0.001 * t)
+    assert a.choose([(1, 4)], base_tokens=1) == [4]
+    b = AdaptiveK(k_max=4, prior_acceptance=0.2)
+    for t in (1, 2, 4, 8, 16):  # compute-bound: every extra token costs as much as the weight pass
+        b.observe_step(t, 0.010 + 0.010 * t)
+    assert b.choose([(i, 4) for i in range(16)], base_tokens=16) == [0] * 16
+    # After PROBE_EVERY steps without speculation, one sequence probes with K = 1 to refresh acceptance.
+    picks = [b.choose([(i, 4) for i in range(16)], base_tokens=16) for _ in range(b.PROBE_EVERY)]
+    assert sum(map(sum, picks)) == 1
