@@ -28,7 +28,7 @@ from leverlab.layers.linear import Linear  # noqa: E402
 from leverlab.quant.base import attach_quant_method, finish_quantization  # noqa: E402
 from leverlab.quant.registry import get_quant_method  # noqa: E402
 
-H, I = 1024, 3072
+H, INTER = 1024, 3072
 
 
 class MMInt8:
@@ -42,8 +42,8 @@ class Stack(nn.Module):
     def __init__(self, n: int, method: str | None):
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.ups = nn.ModuleList(Linear(H, 2 * I) for _ in range(n))
-        self.downs = nn.ModuleList(Linear(I, H) for _ in range(n))
+        self.ups = nn.ModuleList(Linear(H, 2 * INTER) for _ in range(n))
+        self.downs = nn.ModuleList(Linear(INTER, H) for _ in range(n))
         for m in [*self.ups, *self.downs]:
             m.weight.data = (torch.randn(m.out_features, m.in_features, generator=g) * 0.02).to(torch.bfloat16)
         qname = "int8" if method == "int8-mm" else method
@@ -93,7 +93,7 @@ def main() -> int:
     ic.freezing = True
     ic.cpp.weight_prepack = True
     ic.max_autotune_gemm_backends = "CPP,ATEN"
-    print(f"{args.layers} MLP blocks (gate_up {2 * I}x{H} + down {H}x{I}), threads {torch.get_num_threads()}")
+    print(f"{args.layers} MLP blocks (gate_up {2 * INTER}x{H} + down {H}x{INTER}), threads {torch.get_num_threads()}")
     print("| variant | mode | rows | us / block | GB/s of weights | x bf16 same mode |")
     print("|---|---|---|---|---|---|")
     base: dict = {}

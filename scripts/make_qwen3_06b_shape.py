@@ -31,8 +31,11 @@ def make(out: Path) -> Path:
         model = Qwen3ForCausalLM(cfg)
     model = model.to_empty(device="cpu").to(torch.bfloat16)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.02) if p.dim() >= 2 else p.fill_(1.0)
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+            else:
+                p.fill_(1.0)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
     # A small byte-level tokenizer stands in for Qwen's; the benchmarks feed token ids.
