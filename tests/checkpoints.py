@@ -65,6 +65,7 @@ def _config(arch: str, vocab_size: int, **overrides):
         eos_token_id=0,
         pad_token_id=0,
     )
+    common.update(overrides)
     if arch == "qwen3":
         cfg = Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, rope_theta=1_000_000.0)
     elif arch == "qwen2":
@@ -86,8 +87,6 @@ def _config(arch: str, vocab_size: int, **overrides):
         cfg = LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10_000.0)
     else:
         raise ValueError(arch)
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
     return cfg
 
 

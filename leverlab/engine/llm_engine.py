@@ -22,8 +22,8 @@ from leverlab.models.config import ModelConfig
 from leverlab.outputs import RequestMetrics, RequestOutput
 from leverlab.sampling_params import SamplingParams
 from leverlab.spec.adaptive import AdaptiveK
+from leverlab.spec.base import build_proposer
 from leverlab.spec.config import SpeculativeConfig
-from leverlab.spec.ngram import NgramProposer
 from leverlab.spec.verify import verify
 
 log = logging.getLogger("leverlab")
@@ -75,8 +75,11 @@ class LLMEngine:
         self._rng = torch.Generator().manual_seed(config.seed)
         self.spec_config = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config else None
         self.proposer = None
+        self._draft_probs: dict[int, torch.Tensor] = {}  # seq id -> the draft's distribution, when sampled
         if self.spec_config is not None:
-            self.proposer = NgramProposer(self.spec_config.prompt_lookup_min, self.spec_config.prompt_lookup_max)
+            self.proposer = build_proposer(self.spec_config, config, self.max_model_len)
+            if hasattr(self.proposer, "check_vocab"):
+                self.proposer.check_vocab(self.model_config.vocab_size)
             self.counters.update(spec_draft_tokens=0, spec_accepted_tokens=0, spec_verify_steps=0)
         self.adaptive = None
         if self.spec_config is not None and self.spec_config.adaptive:
@@ -153,8 +156,7 @@ class LLMEngine:
             if not seq.finished:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
-            if self.adaptive is not None:
-                self.adaptive.forget(seq.seq_id)
+        self._forget(req)
         req.metrics.finished_time = time.monotonic()
         self.counters["requests_aborted"] += 1
         return req.output()
@@ -207,9 +209,7 @@ class LLMEngine:
             if req.finished:
                 req.metrics.finished_time = time.monotonic()
                 del self.requests[req.request_id]
-                if self.adaptive is not None:
-                    for s in req.seqs:
-                        self.adaptive.forget(s.seq_id)
+                self._forget(req)
                 self.counters["requests_finished"] += 1
                 self.counters["prompt_tokens"] += len(req.prompt_token_ids)
                 self.counters["generation_tokens"] += sum(len(s.output_token_ids) for s in req.seqs)
@@ -225,11 +225,12 @@ class LLMEngine:
             off += k1
         for seq, rows in spans:
             if not seq.spec_token_ids:
+                self._draft_probs.pop(seq.seq_id, None)  # drafts dropped (budget, blocks): nothing to verify
                 plain.append(seq)
                 plain_rows.append(rows)
                 continue
             drafts = seq.spec_token_ids
-            tokens = verify(seq, rows, drafts)
+            tokens = verify(seq, rows, drafts, self._draft_probs.pop(seq.seq_id, None))
             accepted = len(tokens) - 1
             # KV was written for the last token and every draft; only the accepted drafts' entries are valid.
             seq.num_computed_tokens -= len(drafts) - accepted
@@ -253,7 +254,7 @@ class LLMEngine:
         running = self.scheduler.running
         if sc.disable_by_batch_size is not None and len(running) > sc.disable_by_batch_size:
             return
-        drafted: list[Sequence] = []
+        seqs, ks = [], []
         for seq in running:
             p = seq.params
             if seq.num_computed_tokens != seq.num_tokens - 1 or len(seq.output_token_ids) < p.min_tokens:
@@ -261,13 +262,29 @@ class LLMEngine:
             left = (p.max_tokens if p.max_tokens is not None else self.max_model_len) - len(seq.output_token_ids)
             k = min(sc.num_speculative_tokens, left - 1, self.max_model_len - seq.num_tokens)
             if k > 0:
-                seq.spec_token_ids = self.proposer.propose(seq, k)[:k]
-                drafted.append(seq)
-        if self.adaptive is not None and drafted:
-            base = sum(s.num_tokens - s.num_computed_tokens for s in running)
-            ks = self.adaptive.choose([(s.seq_id, len(s.spec_token_ids)) for s in drafted], base)
-            for seq, k in zip(drafted, ks):
-                seq.spec_token_ids = seq.spec_token_ids[:k]
+                seqs.append(seq)
+                ks.append(k)
+        if not seqs:
+            return
+        base = sum(s.num_tokens - s.num_computed_tokens for s in running)
+        if self.adaptive is not None and not self.proposer.cheap:
+            ks = self.adaptive.choose([(s.seq_id, k) for s, k in zip(seqs, ks)], base)  # decide before paying
+        drafts = self.proposer.propose(seqs, ks)
+        if self.adaptive is not None and self.proposer.cheap:
+            ks = self.adaptive.choose([(s.seq_id, len(d.tokens)) for s, d in zip(seqs, drafts)], base)
+        for seq, d, k in zip(seqs, drafts, ks):
+            seq.spec_token_ids = d.tokens[:k]
+            if d.probs is not None:
+                self._draft_probs[seq.seq_id] = d.probs
+
+    def _forget(self, req: Request) -> None:
+        """A request ended: drop the speculation state kept for its sequences (draft KV blocks too)."""
+        for s in req.seqs:
+            if self.adaptive is not None:
+                self.adaptive.forget(s.seq_id)
+            if self.proposer is not None:
+                self.proposer.release(s)
+            self._draft_probs.pop(s.seq_id, None)
 
     def _append(self, req: Request, seq: Sequence, token: int, now: float) -> None:
         seq.output_token_ids.append(token)

@@ -34,8 +34,8 @@ class SpeculativeConfig:
         cfg = cls(**{**raw, "method": method})
         if cfg.method not in METHODS:
             raise UnsupportedLever(f"--speculative-config method {cfg.method!r} is not one of {list(METHODS)}")
-        if cfg.method != "ngram":
-            raise UnsupportedLever(f"speculative method {cfg.method!r} is not built yet (issue 7); 'ngram' is")
+        if cfg.method == "eagle":
+            raise UnsupportedLever("speculative method 'eagle' is not built yet (issue 7); 'ngram' and 'draft_model' are")
         if not 1 <= cfg.num_speculative_tokens <= 16:
             raise UnsupportedLever("num_speculative_tokens must be in [1, 16]")
         if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:

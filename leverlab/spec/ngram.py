@@ -8,14 +8,26 @@ costs only a search over the sequence's own tokens.
 from __future__ import annotations
 
 from leverlab.engine.sequence import Sequence
+from leverlab.spec.base import Draft
 
 
 class NgramProposer:
+    cheap = True
+
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        tokens = seq.prompt_token_ids + seq.output_token_ids
+    @classmethod
+    def from_config(cls, spec, engine_config, max_model_len: int) -> NgramProposer:
+        return cls(spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        return [Draft(self.lookup(s.prompt_token_ids + s.output_token_ids, k)) for s, k in zip(seqs, ks)]
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
         n_total = len(tokens)
         for n in range(min(self.max_n, n_total - 1), self.min_n - 1, -1):
             suffix = tokens[n_total - n :]

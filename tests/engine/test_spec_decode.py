@@ -22,12 +22,23 @@ def path(checkpoint_factory):
     return checkpoint_factory("qwen3")
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_greedy_identical_to_plain_decoding(checkpoint_factory, arch):
+def draft_config(checkpoint_factory):
+    # A different random model with the same tokenizer: it agrees with the target only sometimes, which
+    # exercises acceptance and rejection alike.
+    return {"method": "draft_model", "model": checkpoint_factory("qwen3", num_hidden_layers=1),
+            "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("arch,method", [("qwen3", "ngram"), ("llama", "ngram"), ("qwen3", "draft_model"),
+                                         ("llama", "draft_model")])
+def test_greedy_identical_to_plain_decoding(checkpoint_factory, arch, method):
     path = checkpoint_factory(arch)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)
     plain = LLM(path, dtype="float32").generate(PROMPTS, params)
-    spec = LLM(path, dtype="float32", speculative_config=NGRAM)
+    sc = NGRAM if method == "ngram" else draft_config(checkpoint_factory)
+    if method == "draft_model" and arch == "qwen3":
+        sc = {**sc, "model": path}  # the target as its own draft: every draft is accepted
+    spec = LLM(path, dtype="float32", speculative_config=sc)
     outs = spec.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     for a, b in zip(outs, plain):
@@ -37,6 +48,20 @@ def test_greedy_identical_to_plain_decoding(checkpoint_factory, arch):
     assert c["spec_draft_tokens"] > 0 and c["spec_accepted_tokens"] > 0, "the test should exercise acceptance"
     assert spec.engine.blocks.num_free == spec.engine.blocks.num_blocks
     spec.engine.check_invariants()
+    if method == "draft_model":
+        draft_blocks = spec.engine.proposer.blocks
+        assert draft_blocks.num_free == draft_blocks.num_blocks and not spec.engine.proposer.shadows
+        if arch == "qwen3":
+            assert c["spec_accepted_tokens"] == c["spec_draft_tokens"]
+
+
+def test_draft_model_sampling_reproducible_and_lossless_in_distribution(checkpoint_factory):
+    path = checkpoint_factory("qwen3")
+    spec = LLM(path, dtype="float32", speculative_config=draft_config(checkpoint_factory))
+    p = SamplingParams(temperature=0.9, seed=11, max_tokens=16, ignore_eos=True)
+    a = spec.generate(PROMPTS[:2], p)
+    b = spec.generate(PROMPTS[:2], p)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
 
 
 def test_disable_by_batch_size(path):
@@ -61,8 +86,8 @@ def test_stops_and_limits_hold_under_speculation(path):
 
 def test_ngram_proposer_finds_latest_match():
     seq = Sequence(0, "r", 0, [1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], SamplingParams(), None)
-    assert NgramProposer(1, 3).propose(seq, 2) == [7, 8]
-    assert NgramProposer(2, 3).propose(Sequence(0, "r", 0, [4, 5, 6], SamplingParams(), None), 2) == []
+    assert NgramProposer(1, 3).propose([seq], [2])[0].tokens == [7, 8]
+    assert NgramProposer(2, 3).lookup([4, 5, 6], 2) == []
 
 
 def test_rejection_sampling_follows_target_distribution():
@@ -82,6 +107,8 @@ def test_unbuilt_methods_are_refused():
 
     with pytest.raises(UnsupportedLever, match="not built yet"):
         EngineConfig(model="x", speculative_config={"method": "eagle", "model": "h"})
+    with pytest.raises(UnsupportedLever, match="needs \"model\""):
+        LLM(speculative_config={"method": "draft_model"})
     with pytest.raises(UnsupportedLever, match="unknown keys"):
         EngineConfig(model="x", speculative_config={"method": "ngram", "k": 3})
 

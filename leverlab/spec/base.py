@@ -1,0 +1,43 @@
+"""The proposer interface and registry. Adding a speculative method is adding a file and a line here."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from leverlab.engine.sequence import Sequence
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    # [len(tokens), V] the draft's own distribution at each position, for the rejection rule when the
+    # target samples; None for deterministic drafts (n-gram, or greedy drafting for a greedy target).
+    probs: torch.Tensor | None = None
+
+
+class Proposer(Protocol):
+    # Cheap proposers (no model) draft first and let the adaptive policy cut; costly ones are told K first.
+    cheap: bool
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        """Up to ks[i] draft tokens continuing seqs[i] (prompt + output so far)."""
+        ...
+
+    def release(self, seq: Sequence) -> None:
+        """seq finished or was aborted: drop any state (KV blocks) kept for it."""
+        ...
+
+
+PROPOSERS = {
+    "ngram": "leverlab.spec.ngram:NgramProposer",
+    "draft_model": "leverlab.spec.draft_model:DraftModelProposer",
+}
+
+
+def build_proposer(spec, engine_config, max_model_len: int) -> Proposer:
+    module, _, cls = PROPOSERS[spec.method].partition(":")
+    return getattr(importlib.import_module(module), cls).from_config(spec, engine_config, max_model_len)
