@@ -29,6 +29,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit count wins over kv_cache_memory
     kv_cache_memory: int | None = None  # bytes; None: a default sized for max_num_seqs full contexts, capped
+    kv_cache_memory_fraction: float | None = None  # or this share of the memory free after loading weights
     enable_prefix_caching: bool = True  # automatic prefix caching (vLLM's default too)
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
@@ -49,6 +50,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 0.95:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}")
         if self.tensor_parallel_size != 1:
             raise UnsupportedLever("--tensor-parallel-size > 1 is not built yet (issue 9)")
         if self.speculative_config:

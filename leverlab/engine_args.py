@@ -24,6 +24,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                   help="KV cache size as a share of the memory free after loading the weights")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=EngineConfig.enable_prefix_caching)
     g.add_argument("--quantization", "-q", default=None)
@@ -48,6 +50,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         enable_prefix_caching=args.enable_prefix_caching,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,

@@ -23,6 +23,17 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def free_memory(device: torch.device) -> int:
+    """Bytes free now on the device: the GPU's free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read available memory from /proc/meminfo; pass --kv-cache-memory")
+
+
 @dataclass
 class StepLogits:
     sample_seqs: list[Sequence]  # sequences whose next token is sampled this step
@@ -79,6 +90,8 @@ class ModelRunner:
             return self.config.num_kv_blocks
         per_block = self.kv_bytes_per_token() * self.block_size
         wanted = self.config.max_num_seqs * -(-max_model_len // self.block_size)
+        if self.config.kv_cache_memory_fraction is not None:
+            return max(1, int(self.config.kv_cache_memory_fraction * free_memory(self.device)) // per_block)
         budget = self.config.kv_cache_memory or 2 << 30  # 2 GiB unless told otherwise
         return max(1, min(wanted, budget // per_block))
 

@@ -55,3 +55,14 @@ def test_every_request_accounted_for(path):
     assert [o.prompt_token_ids for o in outs] == prompts
     assert all(len(o.outputs[0].token_ids) == 5 for o in outs)
     assert not llm.engine.requests and not llm.engine.scheduler.has_work()
+
+
+def test_kv_cache_sizing_by_bytes_and_fraction(path):
+    from leverlab.engine.model_runner import free_memory
+
+    by_bytes = LLM(path, dtype="float32", kv_cache_memory=1 << 20, block_size=16, max_num_seqs=512).engine
+    per_block = by_bytes.runner.kv_bytes_per_token() * 16
+    assert by_bytes.blocks.num_blocks == (1 << 20) // per_block
+    frac = LLM(path, dtype="float32", kv_cache_memory_fraction=0.001, block_size=16).engine
+    expected = int(0.001 * free_memory(frac.runner.device)) // per_block
+    assert abs(frac.blocks.num_blocks - expected) <= 0.2 * expected
