@@ -50,7 +50,7 @@ def make_tokenizer(path: Path, vocab_size: int = 384) -> None:
 
 
 def _config(arch: str, vocab_size: int, **overrides):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -83,6 +83,11 @@ def _config(arch: str, vocab_size: int, **overrides):
                 "original_max_position_embeddings": 64,
             },
         )
+    elif arch == "mistral":  # sliding window on every layer
+        cfg = MistralConfig(**common, tie_word_embeddings=False, rope_theta=10_000.0, sliding_window=8)
+    elif arch == "qwen2-window":  # sliding window on layers >= max_window_layers only
+        cfg = Qwen2Config(**common, tie_word_embeddings=False, use_sliding_window=True, sliding_window=8,
+                          max_window_layers=1)
     elif arch == "llama-tied":
         cfg = LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10_000.0)
     else:

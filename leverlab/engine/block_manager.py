@@ -89,13 +89,25 @@ class BlockManager:
 
     def release(self, seq: Sequence) -> None:
         # Tail blocks first: they are the least likely to be shared, so they should be evicted first.
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
+        for block_id in reversed(seq.block_table[seq.num_released_blocks :]):
+            self._unref(block_id)
         seq.block_table = []
         seq.block_hashes = []
+        seq.num_released_blocks = 0
+
+    def release_before(self, seq: Sequence, position: int) -> None:
+        """Sliding window: hand back the leading blocks that hold only positions < position. Their ids stay
+        in the block table as placeholders (attention masks them out and never writes there)."""
+        upto = min(position // self.block_size, len(seq.block_table))
+        for i in range(seq.num_released_blocks, upto):
+            self._unref(seq.block_table[i])
+        seq.num_released_blocks = max(seq.num_released_blocks, upto)
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
 
     # ---- prefix caching -----------------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> int:
@@ -193,7 +205,7 @@ class BlockManager:
     def check(self, live: list[Sequence]) -> None:
         held: dict[int, int] = {}
         for s in live:
-            for b in s.block_table:
+            for b in s.block_table[s.num_released_blocks :]:
                 held[b] = held.get(b, 0) + 1
         for b in self.blocks:
             assert b.ref_count == held.get(b.block_id, 0), f"block {b.block_id}: ref_count {b.ref_count}"

@@ -53,7 +53,10 @@ class LLMEngine:
                              f"max_position_embeddings ({self.model_config.max_position_embeddings})")
         self.runner = ModelRunner(config, path, max_len)
         capacity = self.runner.num_blocks * config.block_size
-        if capacity < max_len:
+        windows = self.model_config.layer_windows
+        # When every layer slides, a sequence only ever holds about a window of KV, whatever its length.
+        self.window = windows[0] if windows and all(w == windows[0] for w in windows) else None
+        if capacity < max_len and not (self.window and capacity >= self.window + 2 * config.block_size):
             log.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, max_len)
             max_len = capacity
         self.max_model_len = max_len
@@ -189,6 +192,8 @@ class LLMEngine:
         emitted = self._choose_tokens(result)
         for seq in batch.seqs:
             self.blocks.commit_full_blocks(seq)  # after the rollback: only accepted tokens are reusable
+            if self.window:  # every layer slides: blocks behind the window are never read again
+                self.blocks.release_before(seq, seq.num_computed_tokens - self.window + 1)
         touched: dict[str, Request] = {}
         now = time.monotonic()
         for seq, tokens, rows in emitted:

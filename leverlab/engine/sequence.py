@@ -35,6 +35,7 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)  # drafted tokens being verified this step
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     block_table: list[int] = field(default_factory=list)
+    num_released_blocks: int = 0  # leading blocks handed back because they fell out of a sliding window
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks registered so far
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None

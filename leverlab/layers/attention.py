@@ -55,17 +55,19 @@ def forward_context(meta: AttentionMetadata, kv_caches: list[torch.Tensor],
 
 
 @torch.library.custom_op("leverlab::paged_attention", mutates_args=())
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] for this step's new tokens -> [T, H, D]; writes k/v into layer's cache."""
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+                    window: int = 0) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] for this step's new tokens -> [T, H, D]; writes k/v into layer's cache.
+    window > 0: a query at position p sees keys p - window < j <= p only (sliding-window attention)."""
     assert _CONTEXT is not None, "paged_attention runs only inside forward_context()"
     meta, cache = _CONTEXT.meta, _CONTEXT.kv_caches[layer]
     scales = _CONTEXT.kv_scales[layer] if _CONTEXT.kv_scales is not None else (None, None)
     return attention_impl(q, k, v, cache[0], cache[1], meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                          meta.query_start_loc, scale, k_scale=scales[0], v_scale=scales[1])
+                          meta.query_start_loc, scale, k_scale=scales[0], v_scale=scales[1], window=window)
 
 
 @paged_attention.register_fake
-def _(q, k, v, layer, scale):
+def _(q, k, v, layer, scale, window=0):
     return torch.empty_like(q)
 
 
@@ -82,6 +84,7 @@ def attention_impl(
     scale: float,
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, KVH]: set when the cache is int8/fp8
     v_scale: torch.Tensor | None = None,
+    window: int = 0,  # > 0: sliding-window attention over the last `window` positions
 ) -> torch.Tensor:  # [T, H, D]
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k.shape[1], k_cache.shape[1]
@@ -108,7 +111,10 @@ def attention_impl(
         table = block_tables[:, :nblocks]
         keys = blocks(k_cache, k_scale, table).view(batch, nblocks * block_size, num_kv_heads, head_dim)[:, :max_len]
         values = blocks(v_cache, v_scale, table).view(batch, nblocks * block_size, num_kv_heads, head_dim)[:, :max_len]
-        mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
+        pos = torch.arange(max_len, device=q.device)[None, :]
+        mask = pos < seq_lens[:, None]  # [B, L]
+        if window:
+            mask &= pos >= seq_lens[:, None] - window
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, H, 1, D]
             keys.transpose(1, 2).to(q.dtype),
@@ -130,12 +136,15 @@ def attention_impl(
         values = blocks(v_cache, v_scale, table).view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
         qi = q[s:e].transpose(0, 1)  # [H, q_len, D]
         q_len = e - s
-        if q_len == ctx:
+        if q_len == ctx and not window:
             mask, causal = None, q_len > 1
         else:
             # The new tokens are the last q_len of the context: query i sees keys 0 .. ctx - q_len + i.
             rows = torch.arange(q_len, device=q.device)[:, None] + (ctx - q_len)
-            mask, causal = torch.arange(ctx, device=q.device)[None, :] <= rows, False
+            cols = torch.arange(ctx, device=q.device)[None, :]
+            mask, causal = cols <= rows, False
+            if window:
+                mask &= cols > rows - window
         o = F.scaled_dot_product_attention(
             qi, keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=num_heads != num_kv_heads
         )

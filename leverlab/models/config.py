@@ -37,6 +37,7 @@ class ModelConfig:
     qk_norm: bool
     qkv_bias: bool
     sliding_window: int | None
+    layer_windows: tuple[int | None, ...]  # per layer: the sliding window, or None for full attention
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
 
@@ -70,13 +71,25 @@ class ModelConfig:
         if qkv_bias is None:
             qkv_bias = bool(raw.get("attention_bias", False))
         window = raw.get("sliding_window") if raw.get("use_sliding_window", arch == "MistralForCausalLM") else None
+        n_layers = raw["num_hidden_layers"]
+        # Which layers slide: `layer_types` where the config lists them (transformers 5), else Qwen2's rule
+        # (layers from max_window_layers on), else all of them (Mistral).
+        types = raw.get("layer_types")
+        if window is None:
+            windows = (None,) * n_layers
+        elif types:
+            windows = tuple(window if t == "sliding_attention" else None for t in types)
+        elif "max_window_layers" in raw:
+            windows = tuple(window if i >= raw["max_window_layers"] else None for i in range(n_layers))
+        else:
+            windows = (window,) * n_layers
         eos = _eos_ids(path, raw)
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
+            num_layers=n_layers,
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
@@ -88,6 +101,7 @@ class ModelConfig:
             qk_norm=switches["qk_norm"],
             qkv_bias=qkv_bias,
             sliding_window=window,
+            layer_windows=windows,
             eos_token_ids=eos,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         )

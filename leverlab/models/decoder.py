@@ -30,6 +30,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
         self.scale = self.hd**-0.5
+        self.window = cfg.layer_windows[layer] or 0  # 0: full attention
 
     def forward(self, positions, x):
         t = x.shape[0]
@@ -38,7 +39,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = paged_attention(q, k, v, self.layer, self.scale)  # [T, nh, D]; K/V go to the paged cache
+        o = paged_attention(q, k, v, self.layer, self.scale, self.window)  # [T, nh, D]; K/V go to the paged cache
         return self.o_proj(o.view(t, self.nh * self.hd))
 
 

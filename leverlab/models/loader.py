@@ -45,8 +45,6 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.de
     quantization_config (AWQ, GPTQ, `leverlab quantize` output) is read in its format whatever it is None."""
     path = Path(path)
     cfg = ModelConfig.from_folder(path)
-    if cfg.sliding_window is not None:
-        raise ValueError(f"{path.name} uses sliding-window attention, which is not built yet (issue 8)")
     method = resolve_quant_method(path, quantization)
     with _default_dtype(DTYPES[dtype]), torch.device(device):
         model = CausalLM(cfg)
