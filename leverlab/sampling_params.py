@@ -33,6 +33,8 @@ class SamplingParams:
     MAX_LOGPROBS = 20
 
     def __post_init__(self) -> None:
+        if isinstance(self.temperature, (int, float)) and 0 < self.temperature < 1e-5:
+            self.temperature = 0.0  # as vLLM: a vanishing temperature is greedy (and would overflow softmax)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -19,7 +19,8 @@ CONTRACT (the server codes against this; the implementation lands with the engin
     # If the consumer stops iterating (client disconnect -> aclose()/CancelledError), the request is aborted
     # and its KV blocks are freed.
 
-    engine.abort(request_id)
+    engine.abort(request_id)         # its stream ends with a final output whose finish_reason is "abort"
+    await engine.reset_prefix_cache()   # forget unused cached prefix blocks (cold benchmark runs)
     engine.stats() -> EngineStats   # running/waiting counts, KV blocks, counters for Prometheus
     engine.healthy -> bool
     await engine.shutdown(drain_timeout_s)   # stop admitting, let running requests finish, stop the loop
@@ -28,6 +29,7 @@ CONTRACT (the server codes against this; the implementation lands with the engin
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field
 
 from leverlab.config import EngineConfig
 from leverlab.engine.llm_engine import LLMEngine
-from leverlab.errors import EngineDeadError, EngineOverloaded
+from leverlab.errors import EngineDeadError, EngineOverloaded, RequestError
 from leverlab.outputs import RequestOutput
 from leverlab.sampling_params import SamplingParams
 
@@ -64,6 +66,7 @@ class AsyncLLM:
         self.config = config
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
+        self.vocab_size = self.engine.model_config.vocab_size
         self.model_name = served_model_name or self.engine.model_path.rstrip("/").split("/")[-1]
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -112,6 +115,12 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget unused cached prefix blocks (runs on the engine thread, between steps)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("reset", done))
+        return await asyncio.wrap_future(done)
 
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + self._inbox.qsize()
@@ -164,6 +173,12 @@ class AsyncLLM:
                 if eng.has_unfinished():
                     for out in eng.step():
                         self._push(out.request_id, out)
+            # Commands queued while the last step ran (shutdown's aborts) still get their answer.
+            while True:
+                try:
+                    self._handle(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
         except BaseException as e:  # noqa: BLE001 - any failure kills the loop; every waiter must hear of it
             log.exception("engine loop died")
             self._dead = e
@@ -180,6 +195,10 @@ class AsyncLLM:
                 self.engine.add_request(rid, ids, params, arrival_time=arrival, prompt_text=text,
                                         tokenize_s=tokenize_s)
             except ValueError as e:
-                self._push(rid, e)
+                self._push(rid, e if isinstance(e, RequestError) else RequestError(str(e)))
+        elif kind == "reset":
+            cmd[1].set_result(self.engine.reset_prefix_cache())
         elif kind == "abort":
-            self.engine.abort_request(cmd[1])
+            out = self.engine.abort_request(cmd[1])
+            if out is not None:  # a final output (finish_reason "abort"), so no stream waits forever
+                self._push(cmd[1], out)

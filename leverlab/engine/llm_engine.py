@@ -139,7 +139,7 @@ class LLMEngine:
         for i in range(params.n):
             gen = None
             if not params.greedy:
-                seed = params.seed + i if params.seed is not None else int(
+                seed = (params.seed + i) % 2**63 if params.seed is not None else int(
                     torch.randint(0, 2**62, (1,), generator=self._rng))
                 gen = torch.Generator().manual_seed(seed)
             seq = Sequence(next(self._seq_ids), request_id, i, ids, params, gen)

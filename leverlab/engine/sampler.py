@@ -36,6 +36,10 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+        # Overflowing logits (a model gone wrong): fall back to the argmax rather than kill the step.
+        probs = torch.zeros_like(probs)
+        probs[int(torch.nan_to_num(logits, nan=float("-inf")).argmax())] = 1.0
     return probs
 
 
@@ -47,6 +51,7 @@ def _apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple
     logits = logits.clone()
     for i in rows:
         banned = list(seqs[i].params.stop_token_ids) + ([] if seqs[i].params.ignore_eos else list(eos_ids))
+        banned = [t for t in banned if t < logits.shape[1]]
         if banned:
             logits[i, banned] = float("-inf")
     return logits

@@ -1,0 +1,192 @@
+"""`leverlab serve [MODEL]`: the OpenAI-compatible server, with vLLM's flag names for every lever.
+
+Lever flags map one to one onto EngineConfig fields; a lever not built yet is refused at start (exit 2)
+with the config's message, never ignored. SIGTERM/SIGINT drain: new requests get 503, running ones get up to
+--drain-timeout seconds to finish, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from typing import Any
+
+import uvicorn
+
+log = logging.getLogger("leverlab.server")
+
+FLUSH_TIMEOUT_S = 3
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="Hugging Face model folder (default: the bundled default model)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use in 'model'; the first is reported (default: the model folder's name)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on /v1 (default: $LEVERLAB_API_KEY, else open)",
+    )
+    from leverlab.engine_args import add_engine_arguments
+
+    add_engine_arguments(p)
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests get to finish after SIGTERM",
+    )
+    p.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+    )
+
+
+def engine_config(args: argparse.Namespace):
+    from leverlab.config import default_model_path
+    from leverlab.engine_args import config_from_args
+
+    return config_from_args(args, str(args.model or default_model_path()))
+
+
+def lever_summary(engine: Any) -> str:
+    """The lever settings as one line of key=value, as the engine resolved them."""
+    cfg = engine.config
+    keys = (
+        "dtype",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_waiting",
+        "quantization",
+        "kv_cache_dtype",
+        "speculative_config",
+        "tensor_parallel_size",
+        "enable_prefix_caching",
+        "execution_mode",
+        "device",
+    )
+    return f"max_model_len={engine.max_model_len} " + " ".join(f"{k}={getattr(cfg, k, None)}" for k in keys)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from leverlab.errors import UnsupportedLever
+
+    try:
+        cfg = engine_config(args)
+    except UnsupportedLever as e:
+        print(f"leverlab serve: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError) as e:
+        print(f"leverlab serve: invalid setting: {e}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_main(args, cfg))
+    except (UnsupportedLever, ValueError) as e:  # a setting the engine refuses once it sees the model
+        print(f"leverlab serve: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # no such model folder, unreadable weights
+        print(f"leverlab serve: cannot load the model {cfg.model!r}: {e}", file=sys.stderr)
+        return 1
+
+
+async def _main(args: argparse.Namespace, cfg: Any) -> int:
+    from leverlab.engine.async_engine import AsyncLLM
+    from leverlab.server.app import build_app
+
+    # Built inside the running loop: the engine may bind its asyncio side to it.
+    engine = AsyncLLM(cfg)
+    app = build_app(engine, args)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        access_log=args.uvicorn_log_level in ("info", "debug", "trace"),
+        lifespan="off",
+        # uvicorn's own wait starts after the engine has drained: responses left by then only need flushing.
+        timeout_graceful_shutdown=FLUSH_TIMEOUT_S,
+    )
+    server = DrainingServer(config, app, engine, args.drain_timeout)
+    names = app.state.server.served_names
+    log.info(
+        "LeverLab serving %s at http://%s:%d/v1 (%s)",
+        names[0],
+        args.host,
+        args.port,
+        lever_summary(engine),
+    )
+    try:
+        await server.serve()
+    finally:
+        if not server.drained:
+            with contextlib.suppress(Exception):
+                await engine.shutdown(0)
+    return 0 if server.started else 1
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose SIGTERM/SIGINT first drains the engine, then stops uvicorn (exit status 0).
+
+    uvicorn's own handler would stop at once and re-raise the signal after shutdown (exit 143); here the
+    first signal marks the app as draining (new requests: 503), awaits engine.shutdown(drain_timeout), and
+    only then tells uvicorn to exit, which waits for the responses in flight to be written. A second SIGINT
+    forces the exit.
+    """
+
+    def __init__(self, config: uvicorn.Config, app: Any, engine: Any, drain_timeout: float):
+        super().__init__(config)
+        self.app, self.engine, self.drain_timeout = app, engine, drain_timeout
+        self.drained = False
+        self._drain_task: asyncio.Task | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: int) -> None:
+        state = self.app.state.server
+        if state.draining:
+            if sig == signal.SIGINT:
+                self.force_exit = True
+            return
+        log.info("signal %d: draining (new requests get 503; running ones get %g s)", sig, self.drain_timeout)
+        state.draining = True
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        t0 = time.monotonic()
+        try:
+            await self.engine.shutdown(self.drain_timeout)
+            self.drained = True
+            log.info("engine drained in %.1f s", time.monotonic() - t0)
+        except Exception:
+            log.exception("engine shutdown failed")
+        # Requests still open now were cut off by the drain timeout: end them cleanly (503 or an 'abort'
+        # chunk plus [DONE]) instead of leaving them to uvicorn's cancellation.
+        self.app.state.server.stopped.set()
+        self.should_exit = True

@@ -1,0 +1,109 @@
+"""Turning a request's prompt into token ids, and checking it fits, before the engine sees it.
+
+The server tokenizes (and renders chat templates) itself, so every prompt reaches the engine as token ids
+and every length problem is answered here with both numbers. The time spent is measured and added to the
+engine's own tokenize time in the `timings` field.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from leverlab.server.protocol import BadRequest, ChatCompletionRequest
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None  # the prompt text where the request gave text (used by echo)
+    tokenize_s: float  # server-side time: chat template + tokenizer
+
+
+def vocab_size(engine: Any) -> int:
+    """Token ids must be below this. The engine may know the model's (padded) vocab; else the tokenizer's."""
+    return int(getattr(engine, "vocab_size", None) or len(engine.tokenizer))
+
+
+def encode_prompt(engine: Any, prompt: str | list[int]) -> Prompt:
+    t0 = time.perf_counter()
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("prompt must not be empty", "prompt")
+        try:
+            ids = list(engine.tokenizer.encode(prompt, add_special_tokens=True))
+        except Exception as e:  # the tokenizer refused the text
+            raise BadRequest(f"could not tokenize the prompt: {e}", "prompt") from e
+        if not ids:
+            raise BadRequest("prompt tokenizes to nothing; send some text", "prompt")
+        return Prompt(ids, prompt, time.perf_counter() - t0)
+    if not prompt:
+        raise BadRequest("prompt must not be empty", "prompt")
+    v = vocab_size(engine)
+    bad = next((t for t in prompt if not 0 <= t < v), None)
+    if bad is not None:
+        raise BadRequest(f"token id {bad} in prompt is out of the vocabulary [0, {v})", "prompt")
+    return Prompt(list(prompt), None, time.perf_counter() - t0)
+
+
+def encode_chat(engine: Any, req: ChatCompletionRequest) -> Prompt:
+    tok = engine.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise BadRequest(
+            f"model {engine.model_name!r} has no chat template in its tokenizer config; "
+            "use /v1/completions with a plain prompt instead",
+            "messages",
+        )
+    t0 = time.perf_counter()
+    try:
+        text = tok.apply_chat_template(
+            req.template_messages(),
+            tokenize=False,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            **(req.chat_template_kwargs or {}),
+        )
+    except BadRequest:
+        raise
+    except Exception as e:  # jinja TemplateError, raise_exception() in the template, bad kwargs
+        raise BadRequest(f"the chat template rejected these messages: {e}", "messages") from e
+    if not isinstance(text, str) or not text:
+        raise BadRequest("the chat template rendered an empty prompt", "messages")
+    # The template already holds any special tokens (BOS, role markers): do not add them twice.
+    ids = list(tok.encode(text, add_special_tokens=False))
+    return Prompt(ids, text, time.perf_counter() - t0)
+
+
+def check_token_ids(engine: Any, ids: list[int], param: str) -> None:
+    """Token ids the request names (stop_token_ids) must exist in the model's vocabulary."""
+    v = vocab_size(engine)
+    bad = next((t for t in ids if not 0 <= t < v), None)
+    if bad is not None:
+        raise BadRequest(f"{param}: token id {bad} is out of the vocabulary [0, {v})", param)
+
+
+def check_fits(prompt_len: int, max_tokens: int, max_model_len: int) -> None:
+    if prompt_len + max_tokens > max_model_len:
+        raise BadRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+            "Please reduce the length of the prompt or max_tokens.",
+            "max_tokens",
+            code="context_length_exceeded",
+        )
+
+
+def default_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
+    """The requested max_tokens, or (None) whatever room the context leaves after the prompt."""
+    if requested is not None:
+        return requested
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise BadRequest(
+            f"This model's maximum context length is {max_model_len} tokens, and the prompt alone "
+            f"takes {prompt_len} tokens. Please shorten the prompt.",
+            "prompt",
+            code="context_length_exceeded",
+        )
+    return room

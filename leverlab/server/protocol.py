@@ -1,0 +1,253 @@
+"""Request bodies of the OpenAI API (completions, chat), validated, and their mapping to SamplingParams.
+
+Validation is strict on types (`"5"` is not an integer, `true` is not a number) and rejects NaN/Infinity,
+so a wrong body becomes a 400 that names the field, never an exception deeper in the engine.
+Unknown fields are ignored, as vLLM does, so clients that send extra OpenAI fields (`user`, ...) still work.
+vLLM's extensions are accepted: `top_k`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
+`include_stop_str_in_output`, `skip_special_tokens`, and (chat) `add_generation_prompt`.
+Parameters we do not implement (penalties, logit_bias, tools, ...) are refused when set, never ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from leverlab.sampling_params import SamplingParams
+
+MAX_STOP_SEQUENCES = 64
+# Below this a temperature means greedy (vLLM's rule): logits / 1e-300 overflow to inf and sampling breaks.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+MAX_BATCH_PROMPTS = 64
+# A signed 64-bit seed, as OpenAI clients send. The engine seeds choice i of n with seed + i, and torch takes
+# at most 2**64 - 1, so seeds reach the engine folded into [0, 2**63): room for any n.
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
+class BadRequest(ValueError):
+    """A request the server refuses with a 4xx; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM extension; accepted, usage comes once at the end
+
+
+class _CommonRequest(_Strict):
+    model: str | None = None  # None: the served model
+    n: int = 1
+    best_of: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extensions that benchmarks rely on for exact output lengths
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def _refuse_unbuilt(self) -> None:
+        """Parameters whose effect we do not implement: refuse when set to anything but their neutral value."""
+        for name, neutral in (
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+            ("repetition_penalty", 1.0),
+            ("min_p", 0.0),
+        ):
+            if getattr(self, name) != neutral:
+                raise BadRequest(f"{name} is not supported yet; omit it or set it to {neutral}", name)
+        if self.logit_bias:
+            raise BadRequest("logit_bias is not supported yet; omit it", "logit_bias")
+        if self.best_of is not None and self.best_of != self.n:
+            raise BadRequest(
+                f"best_of ({self.best_of}) different from n ({self.n}) is not supported", "best_of"
+            )
+        if self.stream_options is not None and not self.stream:
+            raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        self._refuse_unbuilt()
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP_SEQUENCES:
+            raise BadRequest(
+                f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stop)}", "stop"
+            )
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise BadRequest(f"seed must be a 64-bit integer, got {self.seed}", "seed")
+        seed = None if self.seed is None else self.seed % 2**63  # non-negative seeds pass unchanged
+        top_k = -1 if self.top_k in (None, 0) else self.top_k
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=_temperature(self.temperature),
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=top_k,
+                seed=seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=stop,
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as e:
+            # SamplingParams messages start with the field name ("top_p must be ...")
+            msg = str(e)
+            raise BadRequest(msg, msg.split(" ", 1)[0]) from e
+
+
+def _temperature(t: float | None) -> float:
+    if t is None:
+        return 1.0
+    return 0.0 if 0.0 <= t < GREEDY_BELOW_TEMPERATURE else t
+
+
+class CompletionRequest(_CommonRequest):
+    prompt: Any = None  # str | list[int] | list[str] | list[list[int]]: checked by prompts()
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """max_tokens: the request's, or (when it sent null) the room the context leaves, as vLLM does."""
+        if self.suffix:
+            raise BadRequest("suffix is not supported", "suffix")
+        if self.echo and self.logprobs is not None:
+            raise BadRequest("echo together with logprobs is not supported yet", "echo")
+        return self._sampling_params(max_tokens, self.logprobs)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts: text, or token ids (one list of ints is one prompt)."""
+        p = self.prompt
+        if p is None:
+            raise BadRequest("prompt is required", "prompt")
+        if isinstance(p, str):
+            return [p]
+        if not isinstance(p, list) or not p:
+            raise BadRequest(
+                "prompt must be a non-empty string, a list of token ids, or a list of such prompts", "prompt"
+            )
+        if all(_is_token_id(t) for t in p):
+            return [p]
+        if all(isinstance(x, str) for x in p) or all(
+            isinstance(x, list) and all(_is_token_id(t) for t in x) for x in p
+        ):
+            if len(p) > MAX_BATCH_PROMPTS:
+                raise BadRequest(f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(p)}", "prompt")
+            return list(p)
+        raise BadRequest(
+            "prompt must be a string, a list of token ids (non-negative integers), "
+            "a list of strings, or a list of token-id lists",
+            "prompt",
+        )
+
+
+def _is_token_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    # Messages are passed to the model's chat template as dicts, so extra keys (name, tool_call_id) survive.
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def check(self, i: int) -> None:
+        for part in self.content if isinstance(self.content, list) else []:
+            if part.type != "text" or part.text is None:
+                raise BadRequest(
+                    f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
+                    f"got type {part.type!r}",
+                    f"messages.{i}.content",
+                )
+
+    def as_template_dict(self) -> dict[str, Any]:
+        d = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            d["content"] = "".join(part.text for part in self.content)
+        elif self.content is None:
+            d["content"] = ""
+        return d
+
+
+class ResponseFormat(_Strict):
+    type: str
+
+
+class ChatCompletionRequest(_CommonRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens wins over the deprecated max_tokens; None means 'fill the context'."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        for i, m in enumerate(self.messages):
+            m.check(i)
+        if self.tools:
+            raise BadRequest("tools are not supported yet", "tools")
+        if self.tool_choice not in (None, "none", "auto"):  # without tools, "auto" means no tool calls
+            raise BadRequest("tool_choice is not supported yet", "tool_choice")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise BadRequest(
+                f"response_format {self.response_format.type!r} is not supported; only 'text'",
+                "response_format",
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise BadRequest(
+                "add_generation_prompt and continue_final_message cannot both be true", "messages"
+            )
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        if logprobs is not None and logprobs > SamplingParams.MAX_LOGPROBS:
+            raise BadRequest(
+                f"top_logprobs must be an integer in [0, {SamplingParams.MAX_LOGPROBS}], got {logprobs}",
+                "top_logprobs",
+            )
+        return self._sampling_params(max_tokens, logprobs)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.as_template_dict() for m in self.messages]

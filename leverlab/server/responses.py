@@ -1,0 +1,152 @@
+"""Building OpenAI response objects from the engine's RequestOutputs: choices, logprobs, usage, timings."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from functools import lru_cache
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from leverlab.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+
+# JSON has no -inf; OpenAI clients expect a number. vLLM uses the same floor.
+LOGPROB_FLOOR = -9999.0
+
+
+class OpenAIJSON(JSONResponse):
+    """JSONResponse that cannot fail on strange strings: lone surrogates become U+FFFD-ish '?'."""
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content).encode("utf-8", errors="replace")
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else LOGPROB_FLOOR
+
+
+class TokenText:
+    """Per-token text for logprobs, cached per token id (the same few thousand ids repeat endlessly)."""
+
+    def __init__(self, tokenizer: Any):
+        self._tok = tokenizer
+        self.text = lru_cache(maxsize=65536)(self._decode)
+
+    def _decode(self, token_id: int) -> str:
+        return self._tok.decode([token_id])
+
+
+def _top(pos: PositionLogprobs, k: int) -> list[tuple[int, float]]:
+    return sorted(pos.items(), key=lambda kv: kv[1], reverse=True)[:k]
+
+
+def completion_logprobs(
+    tt: TokenText, token_ids: list[int], logprobs: list[PositionLogprobs], k: int, text_offset: int = 0
+) -> dict[str, Any]:
+    """The legacy completions shape: parallel lists plus a top-k dict per position."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, pos in zip(token_ids, logprobs):
+        s = tt.text(tid)
+        tokens.append(s)
+        token_lps.append(_finite(pos.get(tid, LOGPROB_FLOOR)))
+        tops.append({tt.text(t): _finite(lp) for t, lp in _top(pos, k)} if k > 0 else None)
+        offsets.append(text_offset)
+        text_offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_token(tt: TokenText, tid: int, lp: float) -> dict[str, Any]:
+    s = tt.text(tid)
+    return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode("utf-8", errors="replace"))}
+
+
+def chat_logprobs(
+    tt: TokenText, token_ids: list[int], logprobs: list[PositionLogprobs], k: int
+) -> dict[str, Any]:
+    content = []
+    for tid, pos in zip(token_ids, logprobs):
+        entry = _chat_token(tt, tid, pos.get(tid, LOGPROB_FLOOR))
+        entry["top_logprobs"] = [_chat_token(tt, t, lp) for t, lp in _top(pos, k)]
+        content.append(entry)
+    return {"content": content}
+
+
+def usage(outs: list[RequestOutput]) -> dict[str, Any]:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    cached = sum(o.metrics.num_cached_prompt_tokens for o in outs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def timings(out: RequestOutput, server_tokenize_s: float = 0.0) -> dict[str, float]:
+    """Where the time went, in ms (the llama.cpp-style `timings` extension field).
+
+    The server's own tokenization (chat template + tokenizer) is added to the engine's tokenize time.
+    ttft_ms and e2e_ms are measured from the engine's arrival time.
+    """
+    m = out.metrics
+    t = m.timings()
+    t["tokenize_ms"] += 1e3 * server_tokenize_s
+    if m.ttft is not None:
+        t["ttft_ms"] = 1e3 * m.ttft
+    end = m.finished_time or m.last_token_time
+    if end is not None:
+        t["e2e_ms"] = 1e3 * (end - m.arrival_time)
+    t["prompt_tokens"] = len(out.prompt_token_ids)
+    t["cached_prompt_tokens"] = m.num_cached_prompt_tokens
+    t["completion_tokens"] = sum(len(c.token_ids) for c in out.outputs)
+    return t
+
+
+def batch_timings(outs: list[RequestOutput], tokenize_s: list[float]) -> dict | list[dict]:
+    """One dict for one prompt; a list (one per prompt) for a batch of prompts."""
+    ts = [timings(o, s) for o, s in zip(outs, tokenize_s)]
+    return ts[0] if len(ts) == 1 else ts
+
+
+def completion_choice(
+    tt: TokenText, c: CompletionOutput, index: int, k: int | None, prefix: str = ""
+) -> dict[str, Any]:
+    lp = None
+    if k is not None and c.logprobs is not None:
+        lp = completion_logprobs(tt, c.token_ids, c.logprobs, k)
+    return {
+        "index": index,
+        "text": prefix + c.text,
+        "logprobs": lp,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    }
+
+
+def chat_choice(tt: TokenText, c: CompletionOutput, k: int | None) -> dict[str, Any]:
+    lp = None
+    if k is not None and c.logprobs is not None:
+        lp = chat_logprobs(tt, c.token_ids, c.logprobs, k)
+    return {
+        "index": c.index,
+        "message": {"role": "assistant", "content": c.text},
+        "logprobs": lp,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    }

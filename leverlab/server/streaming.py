@@ -1,0 +1,259 @@
+"""Server-sent events as OpenAI clients expect them.
+
+The engine yields cumulative outputs (text and token ids only grow); each chunk carries the difference since
+the last one, per choice. Every choice gets exactly one chunk with its finish_reason. With
+`stream_options.include_usage`, every chunk has `"usage": null` and one last chunk with no choices carries
+the usage. The last chunk also carries the `timings` extension field. The stream ends with `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from leverlab.outputs import CompletionOutput, RequestOutput
+from leverlab.server import responses as R
+from leverlab.server.errors import error_body, map_exception
+
+log = logging.getLogger("leverlab.server")
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> str:
+    return f"data: {R.dumps(obj)}\n\n"
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several engine streams (one per prompt of a batch), tagged with the prompt's position.
+
+    Closing this generator cancels the pumps, which close the engine streams (and so abort the requests).
+    """
+    if len(streams) == 1:  # the common case: no tasks, no queue
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in s:
+                await queue.put((i, out))
+            await queue.put((i, end))
+        except BaseException as e:  # noqa: B036 - forwarded to the consumer, which re-raises
+            await queue.put((i, e))
+            raise
+        finally:
+            if hasattr(s, "aclose"):
+                await s.aclose()
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    live = len(tasks)
+    try:
+        while live:
+            i, item = await queue.get()
+            if item is end:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class _Sent:
+    text: int = 0
+    tokens: int = 0
+    started: bool = False
+    finished: bool = False
+
+
+@dataclass
+class StreamContext:
+    request_id: str
+    created: int
+    model: str
+    chat: bool
+    logprobs_k: int | None  # None: no logprobs
+    include_usage: bool
+    n: int
+    token_text: R.TokenText
+    tokenize_s: list[float]  # server tokenize time, per prompt
+    echo: list[str] | None = None  # completions echo: prompt text per prompt
+    on_finished: Callable[[RequestOutput], None] | None = None
+    on_aborted: Callable[[], None] | None = None
+    # Shutdown: `draining()` turns true at SIGTERM; `stop` is set once the engine has drained, and a stream
+    # still open then ends with 'abort'. Racing each chunk against `stop` costs a task per chunk, so streams
+    # only do it while draining (a running stream gets there within one token).
+    stop: asyncio.Event | None = None
+    draining: Callable[[], bool] = lambda: False
+
+    finals: dict[int, RequestOutput] = field(default_factory=dict)
+
+
+def _delta_choice(ctx: StreamContext, c: CompletionOutput, index: int, sent: _Sent) -> dict | None:
+    new_text = c.text[sent.text :]
+    new_ids = c.token_ids[sent.tokens :]
+    finish = c.finish_reason if c.finished and not sent.finished else None
+    first = not sent.started
+    wants_logprobs = ctx.logprobs_k is not None and bool(new_ids)
+    if not new_text and not wants_logprobs and finish is None and not (first and ctx.echo):
+        return None  # tokens whose text is held back (partial UTF-8, a possible stop string): nothing to show
+    lp = None
+    if ctx.logprobs_k is not None and c.logprobs is not None and new_ids:
+        pos = c.logprobs[sent.tokens : sent.tokens + len(new_ids)]
+        if ctx.chat:
+            lp = R.chat_logprobs(ctx.token_text, new_ids, pos, ctx.logprobs_k)
+        else:
+            lp = R.completion_logprobs(ctx.token_text, new_ids, pos, ctx.logprobs_k, text_offset=sent.text)
+    sent.text, sent.tokens, sent.started = len(c.text), len(c.token_ids), True
+    sent.finished = sent.finished or finish is not None
+    if ctx.chat:
+        delta: dict[str, Any] = {"content": new_text}
+        if first:
+            delta = {"role": "assistant", "content": new_text}
+        return {
+            "index": index,
+            "delta": delta,
+            "logprobs": lp,
+            "finish_reason": finish,
+            "stop_reason": c.stop_reason,
+        }
+    if first and ctx.echo:
+        new_text = ctx.echo[index // ctx.n] + new_text
+    return {
+        "index": index,
+        "text": new_text,
+        "logprobs": lp,
+        "finish_reason": finish,
+        "stop_reason": c.stop_reason,
+    }
+
+
+def _chunk(ctx: StreamContext, choices: list[dict]) -> dict:
+    obj: dict[str, Any] = {
+        "id": ctx.request_id,
+        "object": "chat.completion.chunk" if ctx.chat else "text_completion",
+        "created": ctx.created,
+        "model": ctx.model,
+        "choices": choices,
+    }
+    if ctx.include_usage:
+        obj["usage"] = None
+    return obj
+
+
+async def event_stream(
+    ctx: StreamContext,
+    first: tuple[int, RequestOutput] | None,
+    rest: AsyncIterator[tuple[int, RequestOutput]],
+    num_prompts: int,
+) -> AsyncIterator[str]:
+    """SSE lines for one request; `first` is the output already awaited before the response started."""
+    sent: dict[tuple[int, int], _Sent] = {}
+    stop_wait: asyncio.Future | None = None
+    try:
+        pending = [first] if first is not None else []
+        while True:
+            if pending:
+                p, out = pending.pop()
+            else:
+                if stop_wait is None and ctx.stop is not None and ctx.draining():
+                    stop_wait = asyncio.ensure_future(ctx.stop.wait())
+                try:
+                    p, out = await _next(rest, stop_wait)
+                except StopAsyncIteration:
+                    break
+                except _Stopped:
+                    yield sse(_chunk(ctx, _abort_choices(ctx, sent, num_prompts)))
+                    break
+            choices = []
+            for c in out.outputs:
+                index = p * ctx.n + c.index
+                ch = _delta_choice(ctx, c, index, sent.setdefault((p, c.index), _Sent()))
+                if ch is not None:
+                    choices.append(ch)
+            if out.finished:
+                ctx.finals[p] = out
+                if ctx.on_finished is not None:
+                    ctx.on_finished(out)
+            last = len(ctx.finals) == num_prompts
+            chunk = _chunk(ctx, choices)
+            if last and not ctx.include_usage:
+                chunk["timings"] = _timings(ctx)
+            if choices or "timings" in chunk:
+                yield sse(chunk)
+            if last:
+                break
+        if ctx.include_usage and len(ctx.finals) == num_prompts:
+            finals = [ctx.finals[i] for i in range(num_prompts)]
+            chunk = _chunk(ctx, [])
+            chunk["usage"] = R.usage(finals)
+            chunk["timings"] = _timings(ctx)
+            yield sse(chunk)
+    except asyncio.CancelledError:
+        raise  # the client went away: the finally clauses abort the requests
+    except Exception as e:  # the engine died mid-stream: tell the client in-band, then end cleanly
+        status, body, _ = map_exception(e)
+        if status >= 500 and status != 503:
+            log.exception("error while streaming %s", ctx.request_id)
+        yield sse(body if "error" in body else error_body(str(e), "server_error"))
+    finally:
+        if stop_wait is not None:
+            stop_wait.cancel()
+        if len(ctx.finals) < num_prompts and ctx.on_aborted is not None:
+            ctx.on_aborted()
+        if hasattr(rest, "aclose"):
+            await rest.aclose()
+    yield DONE
+
+
+class _Stopped(Exception):
+    """The server finished draining while this stream was still open."""
+
+
+async def _next(rest: AsyncIterator, stop_wait: asyncio.Future | None):
+    """The next output, or _Stopped once the server has drained (the engine will send nothing more)."""
+    if stop_wait is None:
+        return await anext(rest)
+    if stop_wait.done():
+        raise _Stopped()
+    nxt = asyncio.ensure_future(anext(rest))
+    try:
+        await asyncio.wait({nxt, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not nxt.done():
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)
+    if nxt.cancelled():
+        raise _Stopped()
+    return nxt.result()
+
+
+def _abort_choices(ctx: StreamContext, sent: dict[tuple[int, int], _Sent], num_prompts: int) -> list[dict]:
+    """One last chunk per unfinished choice, with finish_reason 'abort' (vLLM's name for it)."""
+    choices = []
+    for p in range(num_prompts):
+        for i in range(ctx.n):
+            if p in ctx.finals or sent.get((p, i), _Sent()).finished:
+                continue
+            ch: dict[str, Any] = {"index": p * ctx.n + i, "logprobs": None, "finish_reason": "abort"}
+            if ctx.chat:
+                ch["delta"] = {}
+            else:
+                ch["text"] = ""
+            choices.append(ch)
+    return choices
+
+
+def _timings(ctx: StreamContext) -> dict | list[dict]:
+    n = len(ctx.finals)
+    return R.batch_timings([ctx.finals[i] for i in range(n)], ctx.tokenize_s[:n])

@@ -1,0 +1,41 @@
+"""Levers through the server: prefix-cache counters and the admin reset, speculative decoding counters."""
+
+import httpx
+from openai import OpenAI
+
+PREFIX = list(range(20, 60))  # 40 tokens: two full 16-token blocks shared by every request
+
+
+def test_prefix_cache_hits_counted_and_reset(start_server):
+    srv = start_server("--api-key", "k3y")
+    client = OpenAI(base_url=srv.url + "/v1", api_key="k3y")
+    model = client.models.list().data[0].id
+    for i in range(3):
+        client.completions.create(model=model, prompt=PREFIX + [i], max_tokens=2, temperature=0)
+    m = srv.metrics()
+    assert m["leverlab_engine_prefix_cache_hits_total"] == 2 * 32
+    assert m["leverlab_engine_prefix_cache_queries_total"] == 3 * 41
+    # The reset endpoint is an admin route: under the API key.
+    assert httpx.post(srv.url + "/reset_prefix_cache").status_code == 401
+    r = httpx.post(srv.url + "/reset_prefix_cache", headers={"Authorization": "Bearer k3y"})
+    assert r.status_code == 200 and r.json()["blocks_reset"] >= 2
+    client.completions.create(model=model, prompt=PREFIX + [9], max_tokens=2, temperature=0)
+    assert srv.metrics()["leverlab_engine_prefix_cache_hits_total"] == 2 * 32  # cold again: no new hits
+    srv.stop()
+
+
+def test_speculative_decoding_through_the_server(start_server, server):
+    spec = start_server("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_min": 1}')
+    prompt = [5, 6, 7, 8] * 5
+    outs = []
+    for srv in (server, spec):
+        client = OpenAI(base_url=srv.url + "/v1", api_key="x")
+        model = client.models.list().data[0].id
+        outs.append(client.completions.create(model=model, prompt=prompt, max_tokens=20, temperature=0,
+                                              extra_body={"ignore_eos": True}).choices[0].text)
+    assert outs[0] == outs[1]
+    m = spec.metrics()
+    assert m["leverlab_engine_spec_draft_tokens_total"] > 0
+    assert m["leverlab_engine_spec_accepted_tokens_total"] <= m["leverlab_engine_spec_draft_tokens_total"]
+    spec.stop()
