@@ -73,6 +73,7 @@ class AsyncLLM:
         self._dead: BaseException | None = None
         self._accepting = True
         self._stop = threading.Event()
+        self.integrity_errors = 0
         self._thread = threading.Thread(target=self._run, name="leverlab-engine", daemon=True)
         self._thread.start()
 
@@ -173,6 +174,8 @@ class AsyncLLM:
                 if eng.has_unfinished():
                     for out in eng.step():
                         self._push(out.request_id, out)
+                elif cmd is None and self._inbox.empty():
+                    self._check_when_idle()
             # Commands queued while the last step ran (shutdown's aborts) still get their answer.
             while True:
                 try:
@@ -184,6 +187,15 @@ class AsyncLLM:
             self._dead = e
             for rid in list(self._streams):
                 self._push(rid, EngineDeadError(f"the engine loop died: {e!r}"))
+
+    def _check_when_idle(self) -> None:
+        """While idle, check the KV accounting (free + cached + used == total, ref counts): a leak or a
+        double-held block is reported at once, not discovered under load."""
+        try:
+            self.engine.check_invariants()
+        except AssertionError as e:
+            log.error("KV-cache accounting is inconsistent: %s", e)
+            self.integrity_errors += 1
 
     def _handle(self, cmd) -> None:
         kind = cmd[0]
