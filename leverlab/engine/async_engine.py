@@ -74,6 +74,7 @@ class AsyncLLM:
         self._accepting = True
         self._stop = threading.Event()
         self.integrity_errors = 0
+        self._last_check = 0.0
         self._thread = threading.Thread(target=self._run, name="leverlab-engine", daemon=True)
         self._thread.start()
 
@@ -174,7 +175,7 @@ class AsyncLLM:
                 if eng.has_unfinished():
                     for out in eng.step():
                         self._push(out.request_id, out)
-                elif cmd is None and self._inbox.empty():
+                elif time.monotonic() - self._last_check > 10.0:
                     self._check_when_idle()
             # Commands queued while the last step ran (shutdown's aborts) still get their answer.
             while True:
@@ -191,6 +192,7 @@ class AsyncLLM:
     def _check_when_idle(self) -> None:
         """While idle, check the KV accounting (free + cached + used == total, ref counts): a leak or a
         double-held block is reported at once, not discovered under load."""
+        self._last_check = time.monotonic()
         try:
             self.engine.check_invariants()
         except AssertionError as e:
