@@ -132,7 +132,8 @@ class ModelRunner:
         with forward_context(meta, self.kv_caches, self.kv_scales):
             hidden = self.forward(t(ids), t(positions))  # [T, H]
         rows = sample_rows + [r for (_, _, r0, k) in prompt_rows for r in range(r0, r0 + k)]
-        logits = self.model.compute_logits(hidden[t(rows)]) if rows else hidden.new_empty(0, 0).float()
+        # Sampling runs on the host (per-sequence CPU generators): logits are small next to the weights.
+        logits = self.model.compute_logits(hidden[t(rows)]).cpu() if rows else torch.empty(0, 0)
         prompt_logits, off = [], len(sample_rows)
         for seq, first, _, k in prompt_rows:
             prompt_logits.append((seq, first, logits[off:off + k]))
