@@ -36,6 +36,7 @@ def make(out: Path) -> Path:
                 p.normal_(0.0, 0.02)
             else:
                 p.fill_(1.0)
+    model.tie_weights()  # to_empty() untied them: tied like the real Qwen3-0.6B, so both engines run one model
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
     # A small byte-level tokenizer stands in for Qwen's; the benchmarks feed token ids.
