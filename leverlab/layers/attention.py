@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from leverlab.layers import cpu_kernels
 from leverlab.quant import kv_cache as kv_quant
 
 
@@ -105,7 +106,10 @@ def attention_impl(
     batch = len(lens)
 
     if num_tokens == batch:
-        # Decode: one query per sequence, attending over its whole (padded, masked) context.
+        # Decode: one query per sequence, attending over its whole context.
+        if k_scale is None and q.device.type == "cpu" and (kern := cpu_kernels.kernels()) is not None:
+            # Our kernel reads K/V in place through the block table: no gather copies.
+            return kern.paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale, window)
         max_len = max(lens)
         nblocks = -(-max_len // block_size)
         table = block_tables[:, :nblocks]

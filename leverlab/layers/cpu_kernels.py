@@ -1,0 +1,35 @@
+"""Our own CPU kernels (csrc/), compiled on first use with the machine's C++ compiler and cached.
+
+If compilation fails (no compiler, odd platform) callers fall back to the plain-PyTorch path and the
+reason is logged once. LEVERLAB_NO_CPP_KERNELS=1 forces the fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import cache
+from pathlib import Path
+
+log = logging.getLogger("leverlab")
+SRC = Path(__file__).parent / "csrc"
+
+
+@cache
+def kernels():
+    """The compiled module, or None when it cannot be built here."""
+    if os.environ.get("LEVERLAB_NO_CPP_KERNELS") == "1":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        from leverlab.engine.compiled import cache_dir
+
+        build = cache_dir() / "cpp_kernels"
+        build.mkdir(parents=True, exist_ok=True)
+        return load(name="leverlab_cpu_kernels", sources=[str(SRC / "paged_decode.cpp")], build_directory=str(build),
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                    verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path
+        log.warning("CPU attention kernel unavailable (%s); using the PyTorch path", e)
+        return None
