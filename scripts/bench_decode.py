@@ -21,70 +21,69 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from leverlab.study.bandwidth import measure_bandwidth  # noqa: E402
 
-def measure_bandwidth(threads: int, gib: float = 1.0, reps: int = 5) -> float:
-    """Read bandwidth in GB/s: the best of a few full passes summing a tensor far larger than the caches."""
-    torch.set_num_threads(threads)
-    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
-    x.sum()
-    best = float("inf")
-    for _ in range(reps):
+
+class TransformersRunner:
+    name = "transformers"
+
+    def __init__(self, path: str, dtype: torch.dtype):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+    @torch.inference_mode()
+    def measure(self, prompts: list[list[int]], decode_len: int) -> dict:
+        ids = torch.tensor(prompts)
+        kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
         t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best / 1e9
-
-
-def bench_transformers(path: str, dtype: torch.dtype, prompt_len: int, decode_len: int, batches: list[int]) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    res = {}
-    with torch.inference_mode():
-        for b in batches:
-            ids = torch.randint(100, 1000, (b, prompt_len))
-            kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
-            model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
-            t0 = time.perf_counter()
-            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-            ttft = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            model.generate(ids, max_new_tokens=decode_len, min_new_tokens=decode_len, **kw)
-            total = time.perf_counter() - t0
-            decode = max(1e-9, total - ttft)
-            res[b] = {"ttft_s": ttft, "prefill_tok_s": b * prompt_len / ttft,
-                      "decode_tok_s": b * (decode_len - 1) / decode}
-            print(f"  transformers batch {b:2d}: TTFT {ttft:.2f} s, decode {res[b]['decode_tok_s']:.1f} tok/s", flush=True)
-    return res
-
-
-def bench_leverlab(path: str, dtype: str, prompt_len: int, decode_len: int, batches: list[int], mode: str) -> dict:
-    from leverlab import LLM, SamplingParams
-
-    t0 = time.perf_counter()
-    llm = LLM(path, dtype=dtype, execution_mode=mode, max_num_seqs=max(batches),
-              max_num_batched_tokens=max(512, prompt_len), max_model_len=prompt_len + decode_len + 16)
-    params = SamplingParams(temperature=0, max_tokens=decode_len, ignore_eos=True)
-    llm.generate([[7] * prompt_len] * max(batches), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    llm.generate([[7] * prompt_len], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    setup = time.perf_counter() - t0
-    res = {"setup_s": setup}
-    g = torch.Generator().manual_seed(0)
-    for b in batches:
-        prompts = [torch.randint(100, 1000, (prompt_len,), generator=g).tolist() for _ in range(b)]
+        self.model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        ttft = time.perf_counter() - t0
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        wall = time.perf_counter() - t0
+        self.model.generate(ids, max_new_tokens=decode_len, min_new_tokens=decode_len, **kw)
+        decode = max(1e-9, time.perf_counter() - t0 - ttft)
+        return {"ttft_s": ttft, "decode_tok_s": len(prompts) * (decode_len - 1) / decode}
+
+
+class LeverLabRunner:
+    def __init__(self, path: str, dtype: str, mode: str, prompt_len: int, decode_len: int, max_batch: int):
+        from leverlab import LLM, SamplingParams
+
+        self.name = f"leverlab_{mode}"
+        t0 = time.perf_counter()
+        self.llm = LLM(path, dtype=dtype, execution_mode=mode, max_num_seqs=max_batch,
+                       max_num_batched_tokens=max(512, prompt_len), max_model_len=prompt_len + decode_len + 16)
+        self.setup_s = time.perf_counter() - t0
+        self.params = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+    def measure(self, prompts: list[list[int]], decode_len: int) -> dict:
+        outs = self.llm.generate(prompts, self.params(decode_len))
         ttft = max(o.metrics.ttft for o in outs)
         # Aggregate decode: tokens produced after every sequence had its first token, over that span.
         start = max(o.metrics.first_token_time for o in outs)
         end = max(o.metrics.last_token_time for o in outs)
         decoded = sum(1 for o in outs for t in o.metrics.token_times if t > start)
-        res[b] = {"ttft_s": ttft, "prefill_tok_s": b * prompt_len / ttft,
-                  "decode_tok_s": decoded / max(1e-9, end - start), "wall_s": wall}
-        print(f"  leverlab({mode}) batch {b:2d}: TTFT {ttft:.2f} s, decode {res[b]['decode_tok_s']:.1f} tok/s",
-              flush=True)
-    return res
+        return {"ttft_s": ttft, "decode_tok_s": decoded / max(1e-9, end - start)}
+
+
+def measure_all(runners, prompt_len: int, decode_len: int, batches: list[int], rounds: int) -> dict:
+    """Every engine at every batch size, `rounds` times, interleaved so that a noisy spell on the shared
+    machine hits all engines alike; the best round counts (the least disturbed)."""
+    g = torch.Generator().manual_seed(0)
+    best: dict = {r.name: {} for r in runners}
+    for r in runners:  # warm-up: first-call costs stay out of the figures
+        r.measure([[7] * prompt_len] * 2, 4)
+    for rnd in range(rounds):
+        for b in batches:
+            prompts = [torch.randint(100, 1000, (prompt_len,), generator=g).tolist() for _ in range(b)]
+            for r in runners:
+                res = r.measure(prompts, decode_len)
+                old = best[r.name].get(b)
+                if old is None or res["decode_tok_s"] > old["decode_tok_s"]:
+                    best[r.name][b] = res
+                print(f"  round {rnd + 1} {r.name:18s} batch {b:2d}: TTFT {res['ttft_s']:.2f} s, "
+                      f"decode {res['decode_tok_s']:.1f} tok/s", flush=True)
+    return best
 
 
 def main() -> int:
@@ -96,6 +95,7 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,16")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the best counts")
     ap.add_argument("--modes", default="compiled")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_decode.json"))
     args = ap.parse_args()
@@ -116,21 +116,25 @@ def main() -> int:
           f"(batch 1, {args.dtype})", flush=True)
     result = {"model": path, "dtype": args.dtype, "threads": args.threads, "bandwidth_gb_s": bw,
               "weight_bytes_per_step": bytes_per_step, "roofline_tok_s": roof}
-    for mode in args.modes.split(","):
-        result[f"leverlab_{mode}"] = bench_leverlab(path, args.dtype, args.prompt_len, args.decode_len, batches, mode)
+    runners = [LeverLabRunner(path, args.dtype, mode, args.prompt_len, args.decode_len, max(batches))
+               for mode in args.modes.split(",")]
+    for r in runners:
+        print(f"{r.name}: load + warm-up (compilation included) {r.setup_s:.1f} s", flush=True)
+        result[f"{r.name}_setup_s"] = r.setup_s
     if not args.skip_transformers:
-        result["transformers"] = bench_transformers(path, getattr(torch, args.dtype), args.prompt_len,
-                                                    args.decode_len, batches)
-    print("\n| engine | batch | TTFT (s) | decode tok/s | x transformers | % of roofline |")
-    print("|---|---|---|---|---|---|")
-    for key in [k for k in result if k.startswith(("leverlab", "transformers"))]:
+        runners.append(TransformersRunner(path, getattr(torch, args.dtype)))
+    result.update(measure_all(runners, args.prompt_len, args.decode_len, batches, args.rounds))
+    print("\n| engine | batch | TTFT (s) | prefill tok/s | decode tok/s | x transformers | % of roofline |")
+    print("|---|---|---|---|---|---|---|")
+    for key in [k for k in result if k.startswith(("leverlab", "transformers")) and isinstance(result[k], dict)]:
         for b in batches:
             r = result[key][b]
             base = result.get("transformers", {}).get(b)
             ratio = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base else "-"
             # At batch b one step reads the weights once and yields b tokens: the roofline scales with b.
             share = 100 * r["decode_tok_s"] / (roof * b)
-            print(f"| {key} | {b} | {r['ttft_s']:.2f} | {r['decode_tok_s']:.1f} | {ratio} | {share:.0f}% |")
+            prefill = b * args.prompt_len / r["ttft_s"]
+            print(f"| {key} | {b} | {r['ttft_s']:.2f} | {prefill:.0f} | {r['decode_tok_s']:.1f} | {ratio} | {share:.0f}% |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))
     print(f"\nwritten to {args.out}")
