@@ -9,7 +9,7 @@ against bf16 in the same run are what to compare; these machines are shared and 
 Reference on this machine class (anchors): llama.cpp decodes 27.3 tok/s in bf16, 43.6 in Q8_0, 65.0 in Q4_0.
 Bars: int8 >= 1.4x bf16 single-stream, int4 >= 1.8x, neither slower than bf16 at batch 16.
 
-    python scripts/bench_quant.py [--methods bf16,int8,int4] [--mode compiled] [--kv-cache-dtype auto]
+    python scripts/bench_quant.py [--methods bf16,int8,int4] [--mode compiled] [--kv-cache-dtypes auto,int8]
                                   [--prompt-len 128] [--decode-len 128] [--batch 16] [--threads N]
 """
 
@@ -85,7 +85,7 @@ def main() -> int:
     ap.add_argument("--model", default=str(ROOT / ".cache" / "qwen3-0.6b-shape"))
     ap.add_argument("--methods", default="bf16,int8,int4")
     ap.add_argument("--mode", default="compiled", choices=["compiled", "eager"])
-    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="e.g. auto,int8: every method with each, one run")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--decode-len", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
@@ -99,12 +99,13 @@ def main() -> int:
     bw = measure_bandwidth(args.threads)
     torch.set_num_threads(args.threads)
     print(f"model {path}; memory bandwidth {bw:.1f} GB/s with {args.threads} threads; mode {args.mode}; "
-          f"KV cache {args.kv_cache_dtype}", flush=True)
+          f"KV cache {args.kv_cache_dtypes}", flush=True)
     result = {"model": path, "threads": args.threads, "bandwidth_gb_s": bw, "mode": args.mode,
-              "kv_cache_dtype": args.kv_cache_dtype, "runs": {}}
-    for m in args.methods.split(","):
-        result["runs"][m] = run(path, m, args.mode, args.kv_cache_dtype, args.prompt_len, args.decode_len,
-                                args.batch)
+              "kv_cache_dtypes": args.kv_cache_dtypes, "runs": {}}
+    for kv in args.kv_cache_dtypes.split(","):
+        for m in args.methods.split(","):
+            key = m if kv == "auto" else f"{m} kv={kv}"
+            result["runs"][key] = run(path, m, args.mode, kv, args.prompt_len, args.decode_len, args.batch)
     runs, b = result["runs"], args.batch
     base = runs.get("bf16")
     print("\n| precision | batch | weight MB / step | KV MB / step | roofline tok/s | measured tok/s | "
@@ -117,10 +118,10 @@ def main() -> int:
             roof = bw * 1e9 / step * bb  # one step reads the weights once and yields bb tokens
             ratio = x["decode_tok_s"] / base[bb]["decode_tok_s"] if base else float("nan")
             x["roofline_tok_s"], x["x_bf16"] = roof, ratio
-            if m == "bf16":
+            if m == "bf16" or " kv=" in m:
                 bar = "-"
-            elif bb == 1 and m.split("-g")[0] in BARS_B1:
-                need = BARS_B1[m.split("-g")[0]]
+            elif bb == 1 and m.split("-")[0].split("+")[0] in BARS_B1:
+                need = BARS_B1[m.split("-")[0].split("+")[0]]
                 bar = f">= {need}x: {'pass' if ratio >= need else 'FAIL'}"
             else:
                 bar = f">= 1.0x: {'pass' if ratio >= 1.0 else 'FAIL'}" if bb > 1 else "-"

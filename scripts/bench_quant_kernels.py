@@ -2,8 +2,9 @@
 
 A stack of `--layers` Qwen3-0.6B MLPs (gate_up 6144x1024, down 1024x3072; distinct weights, so they stream
 from memory as in a real decode step, not from L3) runs with each precision's Linear, at 1 and 16 rows:
-  bf16 F.linear | int8 `_weight_int8pack_mm` | int8 `mm(x, q.t().to(bf16)) * s` | int4 `_weight_int4pack_mm_for_cpu`
-  | fp8 storage (converted in the matmul)
+  bf16 F.linear | int8 (fbgemm int8 x int8, the default) | int8-woq (`_weight_int8pack_mm` below 9 rows)
+  | int8-mm (`mm(x, q.t().to(bf16)) * s`, Inductor's weight-only-int8 pattern) | int4 (`_weight_int4pack_mm_for_cpu`,
+  int8 copy from 9 rows) | fp8 storage (converted in the matmul)
 each eager and under torch.compile (Inductor freezing + max-autotune, CPP GEMM templates), the engine's fast
 path. Prints microseconds per layer and GB/s of weight bytes. Ratios within one run are what to compare.
 
@@ -46,7 +47,7 @@ class Stack(nn.Module):
         self.downs = nn.ModuleList(Linear(INTER, H) for _ in range(n))
         for m in [*self.ups, *self.downs]:
             m.weight.data = (torch.randn(m.out_features, m.in_features, generator=g) * 0.02).to(torch.bfloat16)
-        qname = "int8" if method == "int8-mm" else method
+        qname = "int8-woq" if method == "int8-mm" else method  # int8-woq keeps the plain int8 weight
         if qname:
             finish_quantization(attach_quant_method(self, get_quant_method(qname)))
         if method == "int8-mm":
@@ -61,8 +62,15 @@ class Stack(nn.Module):
         return x
 
 
-def weight_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not None)
+def weight_bytes(model: nn.Module, rows: int) -> int:
+    """Bytes the stack's matmuls read at `rows` rows (packed int8 weights are not parameters)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, Linear):
+            qm = m.quant_method
+            total += qm.bytes_read(m, rows) if hasattr(qm, "bytes_read") else sum(
+                p.numel() * p.element_size() for p in m.parameters())
+    return total
 
 
 def timeit(fn, x, reps: int) -> float:
@@ -81,7 +89,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rows", default="1,16")
-    ap.add_argument("--variants", default="bf16,int8,int8-mm,int4,fp8")
+    ap.add_argument("--variants", default="bf16,int8,int8-woq,int8-mm,int4,fp8")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -99,7 +107,6 @@ def main() -> int:
     base: dict = {}
     for v in args.variants.split(","):
         model = Stack(args.layers, None if v == "bf16" else v).eval()
-        nbytes = weight_bytes(model)
         modes = [("eager", model.forward)]
         if not args.no_compile:
             torch._dynamo.reset()
@@ -115,7 +122,7 @@ def main() -> int:
                 per = t / args.layers * 1e6
                 base.setdefault((mode, r), per) if v == "bf16" else None
                 ratio = base.get((mode, r), per) / per
-                print(f"| {v} | {mode} | {r} | {per:.0f} | {nbytes / t / 1e9:.1f} | {ratio:.2f}x |"
+                print(f"| {v} | {mode} | {r} | {per:.0f} | {weight_bytes(model, r) / t / 1e9:.1f} | {ratio:.2f}x |"
                       f"{f'  (first call {first:.0f} s)' if first > 5 else ''}", flush=True)
     return 0
 

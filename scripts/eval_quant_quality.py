@@ -8,7 +8,9 @@ Held-out text: the stdlib files that the bundled model family never trained on (
 "heldout" split), tokenized with the model's own tokenizer; windows of --window tokens, each scored from its
 start (no shared prefixes, prefix caching off). Per method: perplexity over every scored position, its change
 against the baseline, and the share of positions whose argmax token matches the baseline's.
-Prefill runs in chunks of many rows, so for int8/int4 this measures their batched (W8A8) path.
+Prefill runs in chunks of many rows, so by default this measures int8's W8A8 kernel and int4's batched path
+(an int8 copy, W8A8); --weight-only-kernels turns those off (int8: the weight-only aten kernel, int4: the
+int4 kernel at every row count) to measure the single-stream arithmetic instead.
 Bars (issue 6): int8 within 1% of the baseline perplexity; int4 with group 64 or finer within 5%.
 """
 
@@ -64,14 +66,24 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--weight-only-kernels", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "results" / "quant_quality.json"))
     args = ap.parse_args()
+    if args.weight_only_kernels:
+        from leverlab.quant import registry
+        from leverlab.quant.int4 import Int4Method
+
+        Int4Method.w8a8_min_rows = None
+        for name, (module, cls, opts) in list(registry.QUANT_METHODS.items()):
+            if name.startswith("int8"):
+                registry.QUANT_METHODS[name] = (module, cls, {**opts, "w8a8_min_rows": None})
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model)
     ids = heldout_ids(tok, args.tokens)
     windows = [ids[i:i + args.window] for i in range(0, len(ids) - 1, args.window) if len(ids[i:i + args.window]) > 1]
-    print(f"model {args.model}, {args.dtype}; {len(ids)} held-out tokens in {len(windows)} windows", flush=True)
+    print(f"model {args.model}, {args.dtype}; {len(ids)} held-out tokens in {len(windows)} windows; kernels: "
+          f"{'weight-only' if args.weight_only_kernels else 'default (int8: W8A8)'}", flush=True)
     base = score(args.model, args.dtype, windows)
     print(f"baseline ({args.dtype}): perplexity {base['ppl']:.4f} ({base['seconds']:.0f} s)", flush=True)
     configs = [(m, "auto") for m in args.methods.split(",") if m] + \
@@ -96,6 +108,7 @@ def main() -> int:
               f"{100 * r['top1_agreement']:.1f}% | {bar} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"model": args.model, "dtype": args.dtype, "tokens": len(ids),
+                                          "weight_only_kernels": args.weight_only_kernels,
                                           "baseline_ppl": base["ppl"], "rows": rows}, indent=2))
     print(f"\nwritten to {args.out}")
     return 0

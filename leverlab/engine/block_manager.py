@@ -117,8 +117,8 @@ class BlockManager:
         logits give the first output token), so a fully cached prompt recomputes its last block.
         """
         assert not seq.block_table
-        if not self.caching:
-            return 0
+        if not self.caching or seq.params.prompt_logprobs is not None:
+            return 0  # prompt logprobs need every prompt position computed: no reuse for such requests
         bs, prompt = self.block_size, seq.prompt_token_ids
         full = (len(prompt) - 1) // bs
         parent: int | None = None

@@ -104,3 +104,11 @@ def test_greedy_identical_with_cache_hits(path):
     eng = warm.engine
     eng.check_invariants()
     assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_prompt_logprobs_complete_despite_cached_prefix(path):
+    llm = LLM(path, dtype="float32", block_size=8)
+    prompt = list(range(20, 60))
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))  # now cached
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))[0]
+    assert len(out.prompt_logprobs) == len(prompt) and all(lp for lp in out.prompt_logprobs[1:])

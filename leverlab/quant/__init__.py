@@ -1,0 +1,17 @@
+"""Quantization levers (issue 6): weight precision per linear layer, and the KV-cache dtype.
+
+Each method is one `QuantMethod` (base.py) in its own file, named in the registry (registry.py). The only
+places outside this package that know about quantization: `Linear` (delegates load/forward to its
+`quant_method`), the loader (assigns the method, calls `process_weights_after_loading`) and the model
+runner / attention op (the KV-cache dtype hook).
+"""
+
+from leverlab.quant.base import QuantMethod
+from leverlab.quant.registry import (
+    KV_CACHE_DTYPES,
+    QUANT_METHODS,
+    get_quant_method,
+    quant_method_for_checkpoint,
+)
+
+__all__ = ["KV_CACHE_DTYPES", "QUANT_METHODS", "QuantMethod", "get_quant_method", "quant_method_for_checkpoint"]

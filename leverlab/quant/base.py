@@ -1,0 +1,128 @@
+"""The per-layer quantization interface, after vLLM's `LinearMethodBase`.
+
+One method object serves every quantized `Linear` of a model; the per-layer state (packed weights,
+scales) lives on the layer itself as parameters, so `torch.compile` with freezing sees them as constants
+and can prepack them, and `model.to()` / `state_dict()` keep working.
+
+Life of a quantized layer:
+  1. `create_weights(layer)` right after the model is built: replace or keep `layer.weight`, register
+     whatever the checkpoint will fill (e.g. AWQ `qweight` / `qzeros` / `scales`).
+  2. `load(layer, kind, tensor, shard)` for each checkpoint tensor of the layer; returns False to let the
+     layer copy a plain floating-point tensor itself (quantize-at-load methods read bf16/fp32 weights).
+     `shard` names the q/k/v or gate/up part; its rows are `layer.shards[shard]` = (offset, size).
+  3. `process_weights_after_loading(layer)` once every tensor is in: quantize / repack into the kernel's
+     layout and free the staging tensors.
+  4. `apply(layer, x)` in the forward: x [..., in_features] -> [..., out_features] in x's dtype (+ bias).
+
+Invariant: after step 3, `dequantize(layer)` returns the [out, in] float32 weight that `apply` multiplies
+by (up to the activation dtype's rounding); the tests hold every method to it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Checkpoint module names that a weight-quantization method converts by default. The output head and the
+# embeddings stay in the model dtype, as AWQ/GPTQ checkpoints keep them: the tied head is also the input
+# embedding table (a gather, not a matmul), and the head's logits are the most precision-sensitive output.
+QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class QuantMethod:
+    name: str = ""
+    bits_per_weight: float = 16.0  # storage per weight, scales included (for bytes-per-token estimates)
+    # The output head stays in the model dtype unless asked (`int8+head`, `int4+head`): at batch 1 the tied
+    # head of Qwen3-0.6B is a quarter of the bytes a step reads, so it bounds what quantizing the rest buys.
+    quantize_lm_head: bool = False
+
+    def applies_to(self, module_name: str) -> bool:
+        """Which of our Linear modules this method converts: the decoder projections, the head if asked."""
+        return module_name != "lm_head" or self.quantize_lm_head
+
+    def create_weights(self, layer: nn.Module) -> None:
+        """Default: keep the floating-point `layer.weight`, filled from the checkpoint and converted later."""
+
+    def load(self, layer: nn.Module, kind: str, tensor: torch.Tensor, shard: str | None) -> bool:
+        """Take a pre-quantized checkpoint tensor; False lets the layer load `weight`/`bias` as usual."""
+        return False
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        """[out, in] float32: the weight that `apply` effectively multiplies by."""
+        raise NotImplementedError
+
+    def bytes_read(self, layer: nn.Module, rows: int) -> int:
+        """Bytes of this layer's tensors that one matmul of `rows` rows reads (default: all of them)."""
+        return sum(p.numel() * p.element_size() for p in layer.parameters())
+
+    def config_dict(self) -> dict:
+        """What `leverlab quantize` writes as config.json's quantization_config."""
+        return {"quant_method": self.name}
+
+    def export(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Quantize one checkpoint weight [out, in] into the named tensors (suffix -> tensor) of this method's
+        checkpoint layout, for `leverlab quantize`. Methods without a checkpoint layout raise."""
+        raise NotImplementedError(f"{self.name} has no checkpoint format; quantize it at load time instead")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config_dict()})"
+
+
+def set_param(layer: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+    """Register (or with None, drop) a frozen parameter; integer tensors are fine with requires_grad=False.
+    A quantized output head keeps an empty `weight` on its device (code probes `lm_head.weight.device`); a tied
+    head's embedding table is the embedding's own parameter and stays there."""
+    if name == "weight" and tensor is None and getattr(layer, "is_lm_head", False):
+        tensor = torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device)
+    if name in layer._parameters:
+        del layer._parameters[name]
+    if hasattr(layer, name) and name not in layer._parameters:
+        delattr(layer, name)
+    if tensor is None:
+        layer._parameters[name] = None  # keeps `layer.weight` resolvable (as None) for code that probes it
+    else:
+        layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+
+
+def shard_rows(layer: nn.Module, target: torch.Tensor, shard: str | None) -> torch.Tensor:
+    """The rows of a [out, ...] tensor that `shard` occupies in a packed layer (all of them for None)."""
+    if shard is None:
+        return target
+    offset, size = layer.shards[shard]
+    return target.narrow(0, offset, size)
+
+
+def copy_checked(target: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+    if target.shape != tensor.shape:
+        raise ValueError(f"shape mismatch loading {what}: checkpoint {tuple(tensor.shape)} vs model {tuple(target.shape)}")
+    target.copy_(tensor)
+
+
+def flatten(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def attach_quant_method(model: nn.Module, method: QuantMethod) -> list[nn.Module]:
+    """Give `method` to every Linear it applies to (creating their weights); returns those layers."""
+    from leverlab.layers.linear import Linear
+
+    layers = []
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and method.applies_to(name):
+            module.is_lm_head = name == "lm_head"
+            module.quant_method = method
+            method.create_weights(module)
+            layers.append(module)
+    return layers
+
+
+def finish_quantization(layers: list[nn.Module]) -> None:
+    """After every checkpoint tensor is in: convert each quantized layer to its kernel layout."""
+    for layer in layers:
+        layer.quant_method.process_weights_after_loading(layer)

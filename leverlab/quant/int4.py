@@ -1,0 +1,190 @@
+"""Weight-only INT4, group-wise asymmetric: W ~= (q - z) * s, q and z in [0, 15], one (s, z) per `group_size`
+input channels of each output row. Round-to-nearest at load time from a float checkpoint, or read from a
+pre-quantized AWQ / GPTQ checkpoint (awq.py, gptq.py subclass this and only unpack their layouts).
+
+Whatever the source, the loaded layer ends up in the same dense staging form - q [out, in] uint8,
+s [out, in/g] float32, z [out, in/g] uint8 (integer zero points, as AWQ and GPTQ store them) -
+(held under the checkpoint's names qweight / scales / qzeros while loading), which
+process_weights_after_loading repacks for the kernel:
+  CPU:  aten._weight_int4pack_mm_for_cpu (eager), which Inductor lowers to its WoQ-int4 CPP GEMM template
+        under max-autotune with frozen weights; scales_and_zeros [in/g, out, 2] in the activation dtype.
+  CUDA: aten._weight_int4pack_mm (tinygemm, bf16 activations). Written to its documented layout but not
+        run here: no GPU on the development machines.
+Both kernels compute (q - 8) * scale + zero per element, so our integer zero point z becomes the float
+zero (8 - z) * s: exact in fp32, one rounding in bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from leverlab.quant import int8_gemm
+from leverlab.quant.base import QuantMethod, flatten, set_param, shard_rows
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [out, in] -> q uint8 [out, in] (0..15), scales float32 [out, in/g], zeros uint8 [out, in/g].
+    Asymmetric min/max round-to-nearest with integer zero points (AutoAWQ's RTN, without its scale search)."""
+    out, k = w.shape
+    g = w.float().reshape(out, k // group_size, group_size)
+    wmax, wmin = g.amax(dim=-1), g.amin(dim=-1)
+    scales = ((wmax - wmin) / 15.0).clamp(min=1e-8)
+    zeros = torch.round(-wmin / scales).clamp(0, 15)
+    q = (torch.round(g / scales[..., None]) + zeros[..., None]).clamp(0, 15)
+    return q.reshape(out, k).to(torch.uint8), scales, zeros.to(torch.uint8)
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The float32 [out, in] weight that (q, scales, zeros) encode."""
+    s = scales.float().repeat_interleave(group_size, dim=1)
+    z = zeros.float().repeat_interleave(group_size, dim=1)
+    return (q.float() - z) * s
+
+
+class Int4Method(QuantMethod):
+    """Batched rows (CPU, bf16/fp16, `w8a8_min_rows` or more) take int8's int8 x int8 path (int8_gemm.py)
+    over an int8 per-channel copy of the int4 weight: the int4 kernel is compute-bound by 16 rows (slower than
+    bf16 there), and fbgemm's int8 GEMM is not. The copy costs 1 byte per weight of memory (int4 + copy
+    ~1.56 B against bf16's 2) and is never read by single-stream decode; it requantizes the int4 weight (under
+    half an int8 step per channel) and quantizes activations per row. `w8a8_min_rows = None` drops both."""
+
+    name = "int4"
+    checkpoint_format: str | None = None  # None: quantize a float checkpoint at load time
+    w8a8_min_rows: int | None = 2  # batch 2+: the int4 kernel's cost grows with rows, fbgemm's barely
+
+    def __init__(self, group_size: int = 64):
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+        self.group_size = group_size
+        # 4 bits + a 16-bit scale and a 16-bit zero per group, as the kernel stores them
+        self.bits_per_weight = 4 + 32 / group_size
+
+    @classmethod
+    def from_checkpoint_config(cls, qcfg: dict) -> Int4Method:
+        # `leverlab quantize --method int4` writes the AWQ layout: read it as AWQ.
+        from leverlab.quant.awq import AWQMethod
+
+        return AWQMethod.from_checkpoint_config(qcfg)
+
+    def config_dict(self) -> dict:
+        return {"quant_method": self.name, "bits": 4, "group_size": self.group_size}
+
+    # ---- loading ---------------------------------------------------------------------------------
+    def create_weights(self, layer) -> None:
+        layer.params_dtype = layer.weight.dtype
+        if layer.in_features % self.group_size:
+            raise ValueError(f"{self.name}: in_features {layer.in_features} is not a multiple of the group size "
+                             f"{self.group_size}; pick another group size")
+        if self.checkpoint_format is None:
+            return  # the float weight loads as usual and is quantized after loading
+        dev, out, ng = layer.weight.device, layer.out_features, layer.in_features // self.group_size
+        set_param(layer, "weight", None)
+        # Dense staging, filled shard by shard from the checkpoint's packed tensors. They carry the checkpoint
+        # tensors' names, so the loader's missing-weight check covers them; the shapes are ours (out-major).
+        set_param(layer, "qweight", torch.zeros(out, layer.in_features, dtype=torch.uint8, device=dev))
+        set_param(layer, "scales", torch.zeros(out, ng, dtype=torch.float32, device=dev))
+        set_param(layer, "qzeros", torch.zeros(out, ng, dtype=torch.uint8, device=dev))
+        layer.q_perm = None
+
+    def load(self, layer, kind, tensor, shard) -> bool:
+        if self.checkpoint_format is None:
+            return False
+        if kind == "bias" and layer.bias is None:
+            # GPTQ exporters write all-zero biases for bias-free projections: harmless, so skipped.
+            if torch.count_nonzero(tensor):
+                raise ValueError(f"checkpoint has a non-zero bias for a layer without one ({shard})")
+            return True
+        if kind == "bias":
+            return False
+        self.load_packed(layer, kind, tensor, shard)
+        return True
+
+    def load_packed(self, layer, kind: str, tensor: torch.Tensor, shard: str | None) -> None:
+        raise NotImplementedError
+
+    def _stage(self, layer, name: str, rows: torch.Tensor, shard: str | None) -> None:
+        """Copy [size, ...] rows (already unpacked, out-major) into the staging tensor `name`."""
+        target = shard_rows(layer, getattr(layer, name).data, shard)
+        if target.shape != rows.shape:
+            raise ValueError(f"{self.name}: shape mismatch loading {name}/{shard}: unpacked checkpoint tensor "
+                             f"{tuple(rows.shape)} vs layer {tuple(target.shape)} (group size {self.group_size}?)")
+        target.copy_(rows)
+
+    # ---- conversion ------------------------------------------------------------------------------
+    def process_weights_after_loading(self, layer) -> None:
+        if self.checkpoint_format is None:
+            q, s, z = quantize_int4(layer.weight.data, self.group_size)
+            set_param(layer, "weight", None)
+        else:
+            q, s, z = layer.qweight.data, layer.scales.data, layer.qzeros.data
+            if layer.q_perm is not None:  # GPTQ act-order: groups made contiguous by permuting inputs
+                layer.q_perm = layer.q_perm.to(q.device)
+                q = q[:, layer.q_perm]
+            for name in ("scales", "qzeros"):
+                delattr(layer, name)
+        dtype = layer.params_dtype
+        sz = torch.stack([s, (8.0 - z.float()) * s], dim=-1).transpose(0, 1).contiguous().to(dtype)
+        if q.device.type == "cuda":
+            k = layer.in_features
+            tiles = 8 if k % 256 == 0 else 4 if k % 128 == 0 else 2
+            nibbles = (q[:, ::2].to(torch.uint8) << 4) | q[:, 1::2].to(torch.uint8)
+            packed = torch.ops.aten._convert_weight_to_int4pack(nibbles.contiguous(), tiles)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+        set_param(layer, "qweight", packed)
+        set_param(layer, "scales_and_zeros", sz)  # [in/g, out, 2]
+        layer.int8_key = None
+        from leverlab.quant.int8 import quantize_int8, use_int8_gemm
+
+        if self.w8a8_min_rows is not None and use_int8_gemm(layer, dtype, q.device):
+            # the batched path's copy (see the class docstring)
+            layer.int8_key = int8_gemm.pack(layer, *quantize_int8(dequantize_int4(q, s, z, self.group_size)))
+
+    def apply(self, layer, x: torch.Tensor, batched_path: bool = True) -> torch.Tensor:
+        x2 = flatten(x)
+        perm = getattr(layer, "q_perm", None)
+        if perm is not None:
+            x2 = x2[:, perm]
+        sz = layer.scales_and_zeros
+        if x2.dtype != sz.dtype:
+            x2 = x2.to(sz.dtype)
+        if batched_path and getattr(layer, "int8_key", None) is not None and x2.shape[0] >= self.w8a8_min_rows:
+            y = int8_gemm.int8_linear(x2, layer.int8_key, layer.out_features)
+        elif x.device.type == "cuda":
+            y = torch.ops.aten._weight_int4pack_mm(x2, layer.qweight, self.group_size, sz)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.qweight, self.group_size, sz)
+        y = y.to(x.dtype)
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.view(*x.shape[:-1], layer.out_features)
+
+    def bytes_read(self, layer, rows: int) -> int:
+        bias = layer.bias.numel() * layer.bias.element_size() if layer.bias is not None else 0
+        if getattr(layer, "int8_key", None) is not None and rows >= self.w8a8_min_rows:
+            return layer.out_features * (layer.in_features + 4) + bias  # the packed int8 copy + fp32 scales
+        return sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scales_and_zeros)) + bias
+
+    def dequantize(self, layer) -> torch.Tensor:
+        # Multiply the identity through the kernel: exactly the weight the kernel uses, [in, out] -> [out, in].
+        eye = torch.eye(layer.in_features, dtype=layer.scales_and_zeros.dtype, device=layer.qweight.device)
+        # With a GPTQ act-order permutation, apply() permutes the identity's columns, which puts the rows
+        # of the result back in the checkpoint's input order.
+        return self.apply(_NoBias(layer), eye, batched_path=False).float().t()
+
+    # ---- export ----------------------------------------------------------------------------------
+    def export(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        from leverlab.quant.awq import pack_awq
+
+        q, s, z = quantize_int4(weight, self.group_size)
+        return pack_awq(q, s, z, scale_dtype=torch.float16)
+
+
+class _NoBias:
+    """A view of a layer without its bias, for dequantize()."""
+
+    def __init__(self, layer):
+        self.__dict__.update(qweight=layer.qweight, scales_and_zeros=layer.scales_and_zeros, bias=None,
+                             out_features=layer.out_features, q_perm=getattr(layer, "q_perm", None))

@@ -1,0 +1,112 @@
+"""Weight-only INT8 weights: symmetric, one scale per output channel, round-to-nearest at load time.
+
+W ~= q * s[:, None], q int8 in [-127, 127], s = max|W_row| / 127.
+
+Kernels, CPU with bf16/fp16 activations (the engine's default):
+  from `w8a8_min_rows` rows on (default 1: always): fbgemm's int8 x int8 GEMM (int8_gemm.py) with the
+  activations quantized per row on the fly. This is W8A8 arithmetic: one extra rounding of each activation
+  (relative 1/255 of its row's largest). It is the default because it is the kernel that makes int8 faster
+  than the compiled bf16 path at one row and at sixteen (scripts/bench_quant_kernels.py); on the bundled
+  model it moved perplexity by under 0.01% (docs/quantization.md).
+  below that (`--quantization int8-woq`: 9): weight-only `aten._weight_int8pack_mm` (activations untouched)
+  for up to 8 rows. It keeps a second, unpacked int8 copy for that kernel (2 bytes per weight in all).
+fp32 activations, and CUDA: `torch.mm(x, q.t().to(x.dtype)) * s`, exact against the dequantized weight
+(the form Inductor's weight-only-int8 pattern matches); the tests run this path in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from leverlab.quant import int8_gemm
+from leverlab.quant.base import QuantMethod, copy_checked, flatten, set_param, shard_rows
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (q int8 [out, in], scales float32 [out]), per-channel symmetric round-to-nearest."""
+    w = w.float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def use_int8_gemm(layer, dtype: torch.dtype, device: torch.device) -> bool:
+    return int8_gemm.AVAILABLE and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
+class Int8Method(QuantMethod):
+    name = "int8"
+    bits_per_weight = 8.0  # + one scale per row, negligible
+
+    def __init__(self, checkpoint: bool = False, w8a8_min_rows: int | None = 1):
+        self.checkpoint = checkpoint  # True: weights come as qweight/scales from a `leverlab quantize` folder
+        self.w8a8_min_rows = w8a8_min_rows  # None: never the int8 x int8 path
+
+    @classmethod
+    def from_checkpoint_config(cls, qcfg: dict) -> Int8Method:
+        if int(qcfg.get("bits", 8)) != 8:
+            raise ValueError(f"int8 checkpoint with bits={qcfg.get('bits')}")
+        return cls(checkpoint=True)
+
+    def config_dict(self) -> dict:
+        return {"quant_method": "int8", "bits": 8, "symmetric": True, "granularity": "per-channel"}
+
+    def create_weights(self, layer) -> None:
+        layer.params_dtype = layer.weight.dtype  # the activation dtype: scales are kept in it
+        if not self.checkpoint:
+            return  # keep the float weight; it is quantized in process_weights_after_loading
+        dev = layer.weight.device
+        set_param(layer, "qweight", torch.zeros(layer.out_features, layer.in_features, dtype=torch.int8, device=dev))
+        set_param(layer, "scales", torch.zeros(layer.out_features, dtype=torch.float32, device=dev))
+        set_param(layer, "weight", None)
+
+    def load(self, layer, kind, tensor, shard) -> bool:
+        if kind in ("qweight", "scales") and self.checkpoint:
+            copy_checked(shard_rows(layer, getattr(layer, kind).data, shard), tensor, f"{kind}/{shard}")
+            return True
+        return False
+
+    def process_weights_after_loading(self, layer) -> None:
+        if self.checkpoint:
+            q, scales = layer.qweight.data, layer.scales.data.float()
+        else:
+            q, scales = quantize_int8(layer.weight.data)
+            set_param(layer, "weight", None)
+        layer.int8_key = None
+        if self.w8a8_min_rows is not None and use_int8_gemm(layer, layer.params_dtype, q.device):
+            layer.int8_key = int8_gemm.pack(layer, q, scales)
+            if self.w8a8_min_rows <= 1:  # the packed copy serves every batch size: drop the plain one
+                set_param(layer, "qweight", None)
+                set_param(layer, "scales", None)
+                return
+        set_param(layer, "qweight", q.contiguous())
+        # The scales live in the activation dtype: the aten kernel takes them so, and the epilogue is exact.
+        set_param(layer, "scales", scales.to(layer.params_dtype))
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        x2 = flatten(x)
+        if layer.int8_key is not None and x2.shape[0] >= self.w8a8_min_rows:
+            y = int8_gemm.int8_linear(x2, layer.int8_key, layer.out_features)
+        elif x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+            y = torch.ops.aten._weight_int8pack_mm(x2, layer.qweight, layer.scales.to(x.dtype))
+        else:
+            y = torch.mm(x2, layer.qweight.t().to(x.dtype)) * layer.scales.to(x.dtype)
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.view(*x.shape[:-1], layer.out_features)
+
+    def dequantize(self, layer) -> torch.Tensor:
+        if layer.qweight is None:
+            q, scales = int8_gemm.unpack(layer.int8_key)
+            return q.float() * scales[:, None]
+        return layer.qweight.float() * layer.scales.float()[:, None]
+
+    def bytes_read(self, layer, rows: int) -> int:
+        bias = layer.bias.numel() * layer.bias.element_size() if layer.bias is not None else 0
+        if layer.int8_key is not None and rows >= self.w8a8_min_rows:
+            return layer.out_features * (layer.in_features + 4) + bias  # the packed int8 weight + fp32 scales
+        return layer.qweight.numel() + layer.scales.numel() * layer.scales.element_size() + bias
+
+    def export(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, scales = quantize_int8(weight)
+        return {"qweight": q, "scales": scales.to(weight.dtype if weight.is_floating_point() else torch.float32)}

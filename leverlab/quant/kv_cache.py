@@ -1,0 +1,69 @@
+"""KV-cache quantization (`--kv-cache-dtype int8 | fp8`): K and V stored in one byte per element, with one
+float32 scale per (token, KV head) kept beside the cache.
+
+Layout, per layer: the cache [2, num_blocks, block_size, KVH, D] in int8 (or float8_e4m3fn) and its scales
+[2, num_blocks, block_size, KVH] float32, indexed by the same slots. A token's K (and V) for one head is
+quantized when written - symmetric, scale = max|x| / 127 (int8) or / 448 (fp8 e4m3) - and dequantized to the
+activation dtype when attention gathers the context. Per token and head, so one outlier token or head never
+coarsens the others, and writes never rescale what is already cached.
+Memory per token and head: D + 4 bytes against 2D for bf16 (D = 128: 0.52x; D = 64: 0.53x), so about twice
+the sequences fit in the same --kv-cache-memory. The attention arithmetic still runs in the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# --kv-cache-dtype -> (storage dtype, largest representable magnitude)
+_FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0), "fp8_e4m3": (torch.float8_e4m3fn, 448.0)}
+SCALE_DTYPE = torch.float32
+
+
+def is_quantized(kv_cache_dtype: str) -> bool:
+    return kv_cache_dtype in _FORMATS
+
+
+def bytes_per_token(kv_cache_dtype: str, model_dtype: torch.dtype, num_layers: int, kv_heads: int,
+                    head_dim: int) -> int:
+    """K and V bytes for one token over all layers, scales included."""
+    if not is_quantized(kv_cache_dtype):
+        return 2 * num_layers * kv_heads * head_dim * torch.finfo(model_dtype).bits // 8
+    return 2 * num_layers * kv_heads * (head_dim + SCALE_DTYPE.itemsize)
+
+
+def allocate(kv_cache_dtype: str, model_dtype: torch.dtype, num_layers: int, num_blocks: int, block_size: int,
+             kv_heads: int, head_dim: int, device) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Per-layer caches [2, blocks, block_size, KVH, D] and, when quantized, their scales [2, blocks, bs, KVH]."""
+    dtype = _FORMATS[kv_cache_dtype][0] if is_quantized(kv_cache_dtype) else model_dtype
+    caches = [torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+              for _ in range(num_layers)]
+    if not is_quantized(kv_cache_dtype):
+        return caches, None
+    scales = [torch.ones(2, num_blocks, block_size, kv_heads, dtype=SCALE_DTYPE, device=device)
+              for _ in range(num_layers)]
+    return caches, scales
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, KVH, D] -> (x_q [T, KVH, D] in `dtype`, scales [T, KVH] float32)."""
+    qmax = 127.0 if dtype == torch.int8 else 448.0
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1) / qmax).clamp(min=1e-8)
+    y = xf / scale[..., None]
+    y = torch.round(y).clamp(-127, 127) if dtype == torch.int8 else y.clamp(-qmax, qmax)
+    return y.to(dtype), scale
+
+
+def write(cache: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Quantize this step's K (or V) [T, KVH, D] into `cache` [blocks, bs, KVH, D] at `slot_mapping`."""
+    xq, s = quantize(x, cache.dtype)
+    kvh, d = x.shape[1], x.shape[2]
+    # Byte views: index_copy_ has no float8 kernels on every backend; the bytes are what we copy.
+    cache.view(torch.uint8).view(-1, kvh, d).index_copy_(0, slot_mapping, xq.view(torch.uint8))
+    scales.view(-1, kvh).index_copy_(0, slot_mapping, s)
+
+
+def gather(cache: torch.Tensor, scales: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache[table] dequantized to `dtype`: [*table.shape, bs, KVH, D]."""
+    x = cache.view(torch.uint8)[table].view(cache.dtype)
+    return x.to(dtype) * scales[table].unsqueeze(-1).to(dtype)

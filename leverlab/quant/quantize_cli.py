@@ -1,0 +1,104 @@
+"""`leverlab quantize SRC DST --method int8|int4|awq`: write a quantized checkpoint folder once, so that
+`leverlab serve DST` loads it without re-quantizing (config.json carries a quantization_config).
+
+Works tensor by tensor on the checkpoint itself (no model is built): each decoder projection
+(q/k/v/o/gate/up/down_proj .weight) becomes its method's tensors; everything else - embeddings, norms, the
+output head - is copied unchanged, as AWQ/GPTQ checkpoints keep them.
+
+Layouts written:
+  int8  qweight int8 [out, in] + scales [out] (per-channel symmetric); quant_method "int8" (ours).
+  int4  the AutoAWQ GEMM layout (qweight/qzeros/scales, see awq.py), group 64 unless --group-size;
+        quant_method "awq", so vLLM / transformers read it as well.
+  awq   the same layout and math with AutoAWQ's default group 128. The weights are round-to-nearest: AWQ's
+        activation-aware scale search needs calibration data and is not built, so this is an AWQ *format*
+        checkpoint, not an AWQ-*calibrated* one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+from leverlab.quant.base import QUANTIZED_PROJECTIONS
+
+METHODS = ("int8", "int4", "awq")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="Hugging Face model folder with bf16/fp16/fp32 weights")
+    p.add_argument("dst", help="output folder (created; must not exist unless --overwrite)")
+    p.add_argument("--method", required=True, choices=METHODS)
+    p.add_argument("--group-size", type=int, default=None, help="int4/awq group size (default 64 / 128)")
+    p.add_argument("--overwrite", action="store_true")
+
+
+def make_method(method: str, group_size: int | None):
+    if method == "int8":
+        from leverlab.quant.int8 import Int8Method
+
+        return Int8Method()
+    from leverlab.quant.awq import AWQMethod
+
+    return AWQMethod(group_size or (64 if method == "int4" else 128))
+
+
+def is_quantized_weight(name: str) -> bool:
+    module, _, kind = name.rpartition(".")
+    return kind == "weight" and module.startswith("model.layers.") and module.rpartition(".")[2] in QUANTIZED_PROJECTIONS
+
+
+def quantize_folder(src: str | Path, dst: str | Path, method: str, group_size: int | None = None,
+                    overwrite: bool = False) -> Path:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from leverlab.models.loader import checkpoint_files
+
+    src, dst = Path(src), Path(dst)
+    cfg = json.loads((src / "config.json").read_text())
+    if cfg.get("quantization_config"):
+        raise ValueError(f"{src} is already quantized ({cfg['quantization_config'].get('quant_method')})")
+    if dst.exists():
+        if not overwrite:
+            raise FileExistsError(f"{dst} exists; pass --overwrite to replace it")
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    qm = make_method(method, group_size)
+    files = checkpoint_files(src)
+    weight_map = {}
+    for file in files:
+        out = {}
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                if is_quantized_weight(name):
+                    base = name.rpartition(".")[0]
+                    for suffix, t in qm.export(tensor).items():
+                        out[f"{base}.{suffix}"] = t.contiguous()
+                else:
+                    out[name] = tensor.contiguous()
+        save_file(out, str(dst / file.name), metadata={"format": "pt"})
+        weight_map.update({k: file.name for k in out})
+    for f in src.iterdir():  # tokenizer, generation config, README...
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, dst / f.name)
+    if (src / "model.safetensors.index.json").is_file():
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    qcfg = qm.config_dict()
+    qcfg["leverlab"] = {"method": method, "algorithm": "round-to-nearest"}
+    cfg["quantization_config"] = qcfg
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+    dst = quantize_folder(args.src, args.dst, args.method, args.group_size, args.overwrite)
+    size = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
+    src_size = sum(f.stat().st_size for f in Path(args.src).glob("*.safetensors"))
+    print(f"wrote {dst} ({args.method}): {size / 2**20:.1f} MiB of weights (from {src_size / 2**20:.1f} MiB) "
+          f"in {time.monotonic() - t0:.1f} s; serve it with `leverlab serve {dst}`")
+    return 0

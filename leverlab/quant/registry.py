@@ -1,0 +1,88 @@
+"""Name -> quantization method, imported lazily (`--quantization` validates without loading kernels).
+
+Adding a method is adding a file with a `QuantMethod` subclass and one line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from leverlab.errors import UnsupportedLever
+
+# flag value -> (module, class, constructor options)
+QUANT_METHODS: dict[str, tuple[str, str, dict]] = {
+    "int8": ("leverlab.quant.int8", "Int8Method", {}),
+    "int8-woq": ("leverlab.quant.int8", "Int8Method", {"w8a8_min_rows": 9}),  # weight-only up to 8 rows
+    "int4": ("leverlab.quant.int4", "Int4Method", {"group_size": 64}),
+    "int4-g32": ("leverlab.quant.int4", "Int4Method", {"group_size": 32}),
+    "int4-g64": ("leverlab.quant.int4", "Int4Method", {"group_size": 64}),
+    "int4-g128": ("leverlab.quant.int4", "Int4Method", {"group_size": 128}),
+    "int8+head": ("leverlab.quant.int8", "Int8Method", {"quantize_lm_head": True}),  # the output head too
+    "int4+head": ("leverlab.quant.int4", "Int4Method", {"group_size": 64, "quantize_lm_head": True}),
+    "awq": ("leverlab.quant.awq", "AWQMethod", {}),
+    "gptq": ("leverlab.quant.gptq", "GPTQMethod", {}),
+    "fp8": ("leverlab.quant.fp8", "FP8Method", {}),
+}
+# Methods whose weights must come pre-quantized in the checkpoint (their config lives there).
+CHECKPOINT_ONLY = ("awq", "gptq")
+
+# --kv-cache-dtype values; "auto" keeps the model dtype. fp8 is e4m3 (vLLM's "fp8" means the same).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
+
+
+def check_quantization(name: str | None) -> str | None:
+    """Normalize a --quantization value (None / "none" -> None); unknown names list the valid ones."""
+    if name is None or name == "none":
+        return None
+    if name not in QUANT_METHODS:
+        raise UnsupportedLever(f"unknown --quantization {name!r}; valid: none, {', '.join(QUANT_METHODS)}")
+    return name
+
+
+def check_kv_cache_dtype(name: str) -> str:
+    if name not in KV_CACHE_DTYPES:
+        raise UnsupportedLever(f"unknown --kv-cache-dtype {name!r}; valid: {', '.join(KV_CACHE_DTYPES)}")
+    return name
+
+
+def _cls(name: str):
+    module, cls, options = QUANT_METHODS[name]
+    return getattr(importlib.import_module(module), cls), options
+
+
+def get_quant_method(name: str | None):
+    """A method for a flag value (None for none). awq/gptq need their checkpoint's config: see below."""
+    name = check_quantization(name)
+    if name is None:
+        return None
+    if name in CHECKPOINT_ONLY:
+        raise UnsupportedLever(
+            f"--quantization {name} loads pre-quantized {name.upper()} checkpoints only, and this one has no "
+            f"quantization_config; quantize at load time with int8/int4 or write one with `leverlab quantize`"
+        )
+    cls, options = _cls(name)
+    method = cls(**{k: v for k, v in options.items() if k != "quantize_lm_head"})
+    method.quantize_lm_head = options.get("quantize_lm_head", False)
+    return method
+
+
+def quant_method_for_checkpoint(qcfg: dict, requested: str | None = None):
+    """The method a pre-quantized checkpoint's `quantization_config` asks for. A --quantization flag that
+    names a different method is refused rather than silently ignored."""
+    kind = str(qcfg.get("quant_method", "")).lower()
+    if kind not in QUANT_METHODS:
+        raise UnsupportedLever(f"checkpoint quant_method {kind!r} is not supported; supported: "
+                               f"{', '.join(m for m in QUANT_METHODS if '-g' not in m)}")
+    requested = check_quantization(requested)
+    # int4 names the same math as an AWQ/GPTQ checkpoint (whose own group size wins): accepted for them.
+    same = {kind} | ({"int4"} if kind in CHECKPOINT_ONLY else set())
+    if requested is not None and requested.split("-")[0] not in same:
+        raise UnsupportedLever(f"--quantization {requested} does not match this checkpoint, which is "
+                               f"pre-quantized with {kind}; drop the flag or pass --quantization {kind}")
+    cls, _ = _cls(kind)
+    method = cls.from_checkpoint_config(qcfg)
+    if requested is not None:  # kernel-path options of the flag (int8-w8a8); the checkpoint's group size wins
+        for key, value in QUANT_METHODS[requested][2].items():
+            if key not in ("group_size", "quantize_lm_head"):
+                setattr(method, key, value)
+    return method

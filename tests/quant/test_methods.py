@@ -1,0 +1,129 @@
+"""Each method's matmul against the weight it claims to hold, and that weight against the original."""
+
+import pytest
+import torch
+
+from leverlab.errors import UnsupportedLever
+from leverlab.layers.linear import Linear, packed
+from leverlab.quant.base import attach_quant_method, finish_quantization
+from leverlab.quant.registry import QUANT_METHODS, get_quant_method
+
+LOAD_TIME = ("int8", "int8-woq", "int4", "int4-g32", "int4-g64", "int4-g128", "fp8")
+
+
+def quantized_linear(name: str, dtype=torch.float32, in_f=256, bias=True, seed=0):
+    torch.manual_seed(seed)
+    rows, shards = packed({"q": 64, "k": 32, "v": 32})
+    with torch.device("cpu"):
+        layer = Linear(in_f, rows, bias=bias, shards=shards).to(dtype)
+    w = torch.randn(rows, in_f) * 0.05
+    w[3, 17] = 0.9  # an outlier: per-channel/group scales must still hold the rest of the row
+    b = torch.randn(rows) * 0.1
+    method = get_quant_method(name)
+    holder = torch.nn.Module()
+    holder.layer = layer
+    (attached,) = attach_quant_method(holder, method)
+    for shard, (off, size) in shards.items():
+        layer.load("weight", w[off:off + size].to(dtype), shard)
+        if bias:
+            layer.load("bias", b[off:off + size].to(dtype), shard)
+    finish_quantization([attached])
+    return layer, w, b
+
+
+@pytest.mark.parametrize("name", LOAD_TIME)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_agrees_with_dequantized_reference(name, dtype):
+    layer, w, b = quantized_linear(name, dtype)
+    assert layer.weight is None, "the float weight must be freed once quantized"
+    ref_w = layer.quant_method.dequantize(layer)
+    x = torch.randn(2, 5, 256).to(dtype)  # 3-D input, as prefill chunks arrive
+    y = layer(x)
+    assert y.shape == (2, 5, 128) and y.dtype == dtype
+    expected = x.float() @ ref_w.t() + b.to(dtype).float()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2 * expected.abs().max().item()
+    assert (y.float() - expected).abs().max().item() < tol
+    for m in (1, 16):  # decode rows: one sequence and a batch
+        x2 = torch.randn(m, 256).to(dtype)
+        assert (layer(x2).float() - (x2.float() @ ref_w.t() + b.to(dtype).float())).abs().max().item() < max(
+            tol, 3e-2 * x2.abs().max().item() if dtype == torch.bfloat16 else tol)
+
+
+@pytest.mark.parametrize("name", LOAD_TIME)
+def test_dequantized_weight_is_close_to_the_original(name):
+    layer, w, _ = quantized_linear(name)
+    err = (layer.quant_method.dequantize(layer) - w).abs()
+    if name.startswith("int8"):  # round-to-nearest: at most half a step of the row's scale
+        bound = (w.abs().amax(1) / 127 / 2)[:, None]
+    elif name.startswith("int4"):
+        g = layer.quant_method.group_size
+        wg = w.reshape(w.shape[0], -1, g)
+        bound = ((wg.amax(-1) - wg.amin(-1)) / 15).repeat_interleave(g, 1)  # within one step (rounded zero)
+    else:  # fp8 e4m3: 3 mantissa bits, relative error <= 2^-4, plus the subnormal floor
+        bound = w.abs() * 2**-4 + (w.abs().amax(1) / 448 * 2**-9)[:, None]
+    assert (err <= bound * 1.001 + 1e-6).all(), (err - bound).max()
+
+
+def test_int4_kernel_holds_exactly_the_rtn_weight():
+    from leverlab.quant.int4 import dequantize_int4, quantize_int4
+
+    layer, w, _ = quantized_linear("int4-g32")
+    q, s, z = quantize_int4(w, 32)
+    assert torch.allclose(layer.quant_method.dequantize(layer), dequantize_int4(q, s, z, 32), atol=1e-6)
+
+
+def test_registry_names_the_valid_choices():
+    from leverlab.config import EngineConfig
+
+    with pytest.raises(UnsupportedLever, match="valid: none, int8, int8-woq, int4"):
+        EngineConfig(quantization="int3")
+    with pytest.raises(UnsupportedLever, match="valid: auto, int8, fp8"):
+        EngineConfig(kv_cache_dtype="int2")
+    assert EngineConfig(quantization="none").quantization is None
+    assert EngineConfig(quantization="int4-g32", kv_cache_dtype="int8").quantization == "int4-g32"
+    with pytest.raises(UnsupportedLever, match="pre-quantized AWQ"):
+        get_quant_method("awq")
+    assert set(LOAD_TIME) | {"awq", "gptq", "int8+head", "int4+head"} == set(QUANT_METHODS)
+    assert get_quant_method("int4+head").quantize_lm_head and not get_quant_method("int4").quantize_lm_head
+
+
+def test_int4_refuses_a_group_that_does_not_divide_the_layer():
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        quantized_linear("int4-g128", in_f=192)
+
+
+def test_int8_gemm_quantizes_activations_per_row():
+    layer, w, b = quantized_linear("int8", torch.bfloat16)
+    assert layer.int8_key is not None and layer.qweight is None  # one packed copy serves every batch size
+    ref_w = layer.quant_method.dequantize(layer)
+    for m in (1, 16, 100):
+        x = torch.randn(m, 256).to(torch.bfloat16)
+        x[m // 2] *= 1000  # a loud row (a prefill token with massive activations) must not coarsen the others
+        expected = x.float() @ ref_w.t() + b.to(torch.bfloat16).float()
+        err = (layer(x).float() - expected).abs().amax(1) / expected.abs().amax(1)
+        assert err.max() < 2e-2, err.max()  # each row within ~1/255 of its own scale (plus bf16 output)
+
+
+def test_int8_woq_keeps_the_weight_only_kernel_for_few_rows():
+    layer, w, b = quantized_linear("int8-woq", torch.bfloat16)
+    assert layer.qweight is not None and layer.int8_key is not None
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    expected = torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales) + b.to(torch.bfloat16)
+    assert torch.equal(layer(x), expected)
+
+
+def test_int4_batched_path_uses_an_int8_copy_of_the_int4_weight():
+    from leverlab.quant import int8_gemm
+
+    layer, w, b = quantized_linear("int4-g32", torch.bfloat16)
+    w4 = layer.quant_method.dequantize(layer)
+    q8, s8 = int8_gemm.unpack(layer.int8_key)
+    # the copy re-quantizes the int4 weight: within half an int8 step per channel (+ the bf16 rounding of w4,
+    # which the kernel's bf16 scales and zeros carry and the copy, made in float32, does not)
+    copy = q8.float() * s8[:, None]
+    bound = w4.abs().amax(1, keepdim=True) * (1 / 254 + 2**-7)
+    assert ((copy - w4).abs() <= bound * 1.001 + 1e-7).all()
+    x = torch.randn(16, 256).to(torch.bfloat16)
+    expected = x.float() @ copy.t() + b.to(torch.bfloat16).float()
+    assert ((layer(x).float() - expected).abs() <= 2e-2 * expected.abs().amax(1, keepdim=True)).all()
+    assert layer.quant_method.bytes_read(layer, 1) < layer.quant_method.bytes_read(layer, 16)
