@@ -34,6 +34,8 @@ class SpeculativeConfig:
         cfg = cls(**{**raw, "method": method})
         if cfg.method not in METHODS:
             raise UnsupportedLever(f"--speculative-config method {cfg.method!r} is not one of {list(METHODS)}")
+        if cfg.method in ("draft_model", "eagle") and not cfg.model:
+            raise UnsupportedLever(f'speculative method "{cfg.method}" needs "model": the draft model folder')
         if cfg.method == "eagle":
             raise UnsupportedLever("speculative method 'eagle' is not built yet (issue 7); 'ngram' and 'draft_model' are")
         if not 1 <= cfg.num_speculative_tokens <= 16:

@@ -108,7 +108,7 @@ def test_unbuilt_methods_are_refused():
     with pytest.raises(UnsupportedLever, match="not built yet"):
         EngineConfig(model="x", speculative_config={"method": "eagle", "model": "h"})
     with pytest.raises(UnsupportedLever, match="needs \"model\""):
-        LLM(speculative_config={"method": "draft_model"})
+        EngineConfig(model="x", speculative_config={"method": "draft_model"})
     with pytest.raises(UnsupportedLever, match="unknown keys"):
         EngineConfig(model="x", speculative_config={"method": "ngram", "k": 3})
 
