@@ -72,12 +72,25 @@ def main() -> int:
     full_prefix = (args.prefix_tokens // bs) * bs
     # Construction: request 1 misses everything (new). Later ones hit the shared full blocks; the block that
     # straddles the prefix/suffix boundary shares only prefix_tokens % bs tokens (a prefix < one block).
-    expect = {"hits": (n - 1) * full_prefix, "miss_partial": (n - 1) * (args.prefix_tokens - full_prefix),
-              "miss_new": plen + (n - 1) * (plen - args.prefix_tokens), "miss_evicted": 0}
+    # A suffix can also start like an earlier one by chance: those tokens are shared too (still < one block).
+    chance = 0
+    for i in range(1, n):
+        straddle = prompts[i][full_prefix : full_prefix + bs]
+        chance += max(_common(straddle, p[full_prefix : full_prefix + bs]) for p in prompts[:i]) - (
+            args.prefix_tokens - full_prefix)
+    expect = {"hits": (n - 1) * full_prefix, "miss_partial": (n - 1) * (args.prefix_tokens - full_prefix) + chance,
+              "miss_new": plen + (n - 1) * (plen - args.prefix_tokens) - chance, "miss_evicted": 0}
     print(f"{'':14s} {'measured':>9s} {'expected':>9s}")
     for k, v in expect.items():
         print(f"{k:14s} {getattr(s, k):9d} {v:9d}")
     return 0
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 if __name__ == "__main__":
