@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# LeverLab's main job on a fresh clone. Until `leverlab study` lands, it runs the decode benchmark:
-# LeverLab against transformers on a Qwen3-0.6B-shaped checkpoint, with the bandwidth roofline.
+# LeverLab's main job on a fresh clone: the one-lever-at-a-time study on the bundled model.
+# The report lands in results/study-<timestamp>/ (report.md, report.html). Extra arguments go to the study.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
-python scripts/bench_decode.py "$@"
+python -m leverlab.cli study "$@"

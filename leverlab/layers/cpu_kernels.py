@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from functools import cache
 from pathlib import Path
 
@@ -27,6 +28,11 @@ def kernels():
 
         build = cache_dir() / "cpp_kernels"
         build.mkdir(parents=True, exist_ok=True)
+        lock = build / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > 600:
+            # A build killed midway leaves its lock behind, and every later load would wait on it forever.
+            log.warning("removing a stale build lock %s", lock)
+            lock.unlink(missing_ok=True)
         return load(name="leverlab_cpu_kernels", sources=[str(SRC / "paged_decode.cpp")], build_directory=str(build),
                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                     verbose=False)

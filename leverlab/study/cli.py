@@ -1,0 +1,190 @@
+"""`leverlab study [MODEL]`: the one-lever-at-a-time study, end to end, with fidelity and predictions.
+
+    leverlab study                                   # the short default plan on the bundled model (~10 min)
+    leverlab study --full                            # every lever, the whole prompt set
+    leverlab study --plan my-plan.toml               # a plan file (YAML or TOML; see leverlab/study/plan.py)
+    leverlab study --steps 'int8:precision=int8,ng:speculation=ngram/4@int8'
+    leverlab study --resume results/study-XXXX       # skip what finished, retry what failed or was refused
+    leverlab study --report-only results/study-XXXX  # rebuild report.md / report.html
+    leverlab study --resume results/study-XXXX --only int8-draft   # one configuration, e.g. once its model lands
+    leverlab study --engine llamacpp --gguf bfloat16=m-bf16.gguf --gguf int8=m-q8_0.gguf
+Exit status: 0 when every configuration ran or was refused by the engine (reported), 1 when one failed or a
+speculative configuration changed greedy tokens, 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="model folder (default: the bundled default model)")
+    p.add_argument("--engine", default="leverlab", help="leverlab (default), llamacpp or vllm")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--plan", default=None, help="a plan file (.yaml/.yml/.toml)")
+    g.add_argument("--steps", default=None, help="NAME:LEVER=VALUE[@PARENT],... after a bfloat16 baseline")
+    g.add_argument("--full", action="store_true", help="the full plan (every lever, every prompt)")
+    p.add_argument("--out", default=None, help="study folder (default: results/study-<timestamp>)")
+    p.add_argument("--resume", default=None, metavar="DIR", help="continue the study in DIR")
+    p.add_argument(
+        "--only",
+        default=None,
+        metavar="NAMES",
+        help="run only these configurations (comma-separated), e.g. with --resume",
+    )
+    p.add_argument("--report-only", default=None, metavar="DIR", help="rebuild the report of DIR")
+    p.add_argument("--workload", default=None, help="prompt set (default: models/workload.json)")
+    p.add_argument("--num-prompts", type=int, default=None, help="prompts per bucket")
+    p.add_argument("--buckets", default=None, help="comma-separated buckets")
+    p.add_argument("--concurrency", default=None, help="sweep levels, e.g. 1,4,16")
+    p.add_argument(
+        "--sweep-bucket", default=None, help="the bucket of the concurrency sweep (default: medium)"
+    )
+    p.add_argument("--output-scale", type=float, default=None, help="output lengths x this")
+    p.add_argument(
+        "--execution-mode", default="eager", choices=("eager", "compiled"), help="LeverLab servers"
+    )
+    p.add_argument(
+        "--gguf", action="append", default=[], metavar="PRECISION=FILE", help="llama.cpp model files"
+    )
+    p.add_argument("--draft-gguf", default=None, help="llama.cpp draft model file")
+    p.add_argument("--vllm-checkpoint", action="append", default=[], metavar="PRECISION=DIR")
+    p.add_argument(
+        "--fidelity",
+        default="auto",
+        choices=("auto", "inprocess", "http"),
+        help="how to collect fidelity: auto = in-process for LeverLab (exact ids, prompt logprobs), else HTTP",
+    )
+    p.add_argument("--bandwidth", type=float, default=None, help="GB/s (skip measuring it)")
+    p.add_argument("--quiet", action="store_true", help="no per-request progress bars")
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    out = {}
+    for it in items:
+        k, sep, v = it.partition("=")
+        if not sep:
+            raise ValueError(f"{flag} takes NAME=PATH, got {it!r}")
+        out[k] = v
+    return out
+
+
+def build_plan(args: argparse.Namespace):
+    from leverlab.study import plan as P
+
+    if args.plan:
+        plan = P.load_plan(args.plan)
+    elif args.steps:
+        plan = P.plan_from_steps_arg(args.steps)
+        short = P.default_plan()
+        for k in ("num_prompts", "output_scale", "concurrency", "sweep_rounds"):
+            setattr(plan, k, getattr(short, k))
+    elif args.full:
+        plan = P.full_plan()
+    else:
+        plan = P.default_plan()
+    if args.num_prompts is not None:
+        plan.num_prompts = args.num_prompts
+    if args.buckets:
+        plan.buckets = [b.strip() for b in args.buckets.split(",") if b.strip()]
+        if plan.sweep_bucket not in plan.buckets:
+            plan.sweep_bucket = plan.buckets[0]
+    if args.sweep_bucket:
+        plan.sweep_bucket = args.sweep_bucket
+    if args.concurrency:
+        plan.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if args.output_scale is not None:
+        plan.output_scale = args.output_scale
+    return plan
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from leverlab.study.plan import PlanError
+
+    console = Console(stderr=True)
+    if args.report_only:
+        return _report(Path(args.report_only), console)
+    try:
+        plan = build_plan(args)
+        from leverlab.config import default_model_path
+        from leverlab.study.engines import get_engine
+
+        engine = get_engine(
+            args.engine,
+            execution_mode=args.execution_mode,
+            gguf=_pairs(args.gguf, "--gguf"),
+            draft_gguf=args.draft_gguf,
+            checkpoints=_pairs(args.vllm_checkpoint, "--vllm-checkpoint"),
+        )
+        if args.fidelity != "auto":
+            if args.fidelity == "inprocess" and engine.name != "leverlab":
+                raise ValueError("--fidelity inprocess needs the leverlab engine (it uses the Python API)")
+            engine.fidelity_mode = args.fidelity
+    except (PlanError, ValueError, OSError) as e:
+        print(f"leverlab study: {e}", file=sys.stderr)
+        return 2
+    model = str(args.model or default_model_path())
+    root = Path(__file__).resolve().parents[2]
+    workload = args.workload or str(root / "models" / "workload.json")
+    if not Path(workload).is_file():
+        print(f"leverlab study: no prompt set at {workload} (--workload)", file=sys.stderr)
+        return 2
+    out = Path(args.resume or args.out or f"results/study-{time.strftime('%Y%m%d-%H%M%S')}")
+    from leverlab.study.runner import run_study
+
+    only = None
+    if args.only:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in names if n not in {s.name for s in plan.steps}]
+        if unknown:
+            print(f"leverlab study: --only names {unknown} are not in the plan", file=sys.stderr)
+            return 2
+        only = lambda s: s.name in names  # noqa: E731
+
+    console.print(
+        f"[bold]leverlab study[/bold]: plan {plan.name} ({len(plan.steps)} configurations) on {model}"
+    )
+    console.print(f"results in {out}")
+    try:
+        state = run_study(
+            plan,
+            engine,
+            model,
+            out,
+            source_workload=workload,
+            resume=bool(args.resume),
+            console=console,
+            show_requests=not args.quiet,
+            bandwidth_gbs=args.bandwidth,
+            only=only,
+        )
+    except ValueError as e:
+        print(f"leverlab study: {e}", file=sys.stderr)
+        return 2
+    console.print(f"study done in {state.data.get('elapsed_s', 0) / 60:.1f} min; writing the report")
+    return _report(out, console)
+
+
+def _report(out: Path, console) -> int:
+    from leverlab.study.report import write_report
+
+    if not (out / "study.json").is_file():
+        print(f"leverlab study: {out} holds no study.json", file=sys.stderr)
+        return 2
+    a = write_report(out)
+    from rich.markup import escape
+
+    for r in a["recommendations"]:
+        console.print(escape(f"  {r['goal']}: {r['text'].replace('**', '')}"))
+    for f in a["findings"]:
+        console.print(escape(f"  [{f['status']}] {f['title']}"))
+    console.print(f"report: {out / 'report.md'} and {out / 'report.html'}")
+    bad = [c["name"] for c in a["configs"] if c["status"] == "failed" or c.get("bug")]
+    if bad:
+        console.print(f"[red]failed or flagged: {', '.join(bad)}[/red]")
+    return 1 if bad else 0

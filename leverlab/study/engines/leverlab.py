@@ -1,0 +1,101 @@
+"""LeverLab's own server: `leverlab serve` with vLLM-named lever flags.
+
+Levers the engine has not built are refused by the server itself at start-up (exit 2 and a message): the
+adapter passes every lever through and lets the engine say no, so the report quotes the engine's reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from leverlab.study.engines.base import Engine
+from leverlab.study.plan import Levers
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def resolve(path: str) -> Path | None:
+    """A model folder as given, else relative to the repository (plans name models/... from the repo root)."""
+    for p in (Path(path), REPO / path):
+        if p.exists():
+            return p.resolve()
+    return None
+
+
+class LeverLabEngine(Engine):
+    name = "leverlab"
+    fidelity_mode = "inprocess"
+
+    def __init__(self, execution_mode: str = "eager", max_num_batched_tokens: int | None = None, **_):
+        self.execution_mode = execution_mode
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+    def precheck(self, model: str, levers: Levers) -> str | None:
+        """EngineConfig's own validation (what `leverlab serve` checks first): refusals without a server start."""
+        from leverlab.config import EngineConfig
+        from leverlab.errors import UnsupportedLever
+
+        spec = self._spec(levers)
+        try:
+            EngineConfig(
+                model=model,
+                dtype=levers.dtype,
+                quantization=levers.quantization,
+                kv_cache_dtype=levers.kv_cache_dtype,
+                speculative_config=spec,
+                tensor_parallel_size=levers.tensor_parallel_size,
+                enable_prefix_caching=levers.prefix_caching,
+                max_num_seqs=levers.max_num_seqs,
+                execution_mode=self.execution_mode,
+            )
+        except UnsupportedLever as e:
+            return str(e)
+        except (ValueError, TypeError) as e:
+            return f"invalid setting: {e}"
+        # After the engine's own checks, so a method that is not built says so rather than "no folder".
+        draft = (levers.speculative or {}).get("model")
+        if draft and resolve(draft) is None:
+            return f"speculation: the draft/head model folder {draft} does not exist (yet)"
+        return None
+
+    @staticmethod
+    def _spec(levers: Levers) -> dict | None:
+        if not levers.speculative:
+            return None
+        spec = dict(levers.speculative)
+        if spec.get("model"):
+            spec["model"] = str(resolve(spec["model"]) or spec["model"])
+        return spec
+
+    def command(self, model: str, levers: Levers, port: int) -> list[str]:
+        cmd = [sys.executable, "-m", "leverlab.cli", "serve", model, "--port", str(port)]
+        cmd += ["--dtype", levers.dtype, "--execution-mode", self.execution_mode]
+        if levers.quantization:
+            cmd += ["--quantization", levers.quantization]
+        cmd += ["--kv-cache-dtype", levers.kv_cache_dtype]
+        if levers.speculative:
+            cmd += ["--speculative-config", json.dumps(self._spec(levers), sort_keys=True)]
+        cmd += ["--enable-prefix-caching" if levers.prefix_caching else "--no-enable-prefix-caching"]
+        cmd += ["--tensor-parallel-size", str(levers.tensor_parallel_size)]
+        cmd += ["--max-num-seqs", str(levers.max_num_seqs)]
+        if self.max_num_batched_tokens:
+            cmd += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        return cmd
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        return env
+
+    def capabilities(self) -> dict[str, str]:
+        return {
+            "precision": "--dtype, --quantization int8|int4|fp8|awq|gptq",
+            "kv_cache_dtype": "--kv-cache-dtype int8|fp8",
+            "speculation": "--speculative-config (the engine refuses methods not built yet)",
+            "prefix_caching": "--enable-prefix-caching / --no-enable-prefix-caching",
+            "tensor_parallel": "--tensor-parallel-size (refused while not built)",
+            "batch_policy": "--max-num-seqs",
+        }

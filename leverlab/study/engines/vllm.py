@@ -1,0 +1,75 @@
+"""vLLM (`vllm serve`), on GPU machines: the reference study's engine, with the same flag names as ours.
+
+Precision: vLLM quantizes to fp8 on the fly (`--quantization fp8`); int8 is mapped to fp8 (the reference
+study's 8-bit step) and said so; int4 needs a pre-quantized AWQ/GPTQ checkpoint (--vllm-checkpoint int4=DIR),
+as the reference used Qwen/Qwen3-8B-AWQ.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from leverlab.study.engines.base import Engine
+from leverlab.study.plan import Levers
+
+ON_THE_FLY = {"int8": "fp8", "fp8": "fp8"}
+
+
+class VLLMEngine(Engine):
+    name = "vllm"
+    health_path = "/health"
+    fidelity_mode = "http"
+
+    def __init__(self, checkpoints: dict[str, str] | None = None, **_):
+        self.checkpoints = dict(checkpoints or {})
+        self.binary = shutil.which("vllm")
+
+    def installed(self) -> str | None:
+        if not self.binary:
+            return "not installed: no `vllm` on PATH (vLLM needs a GPU machine)"
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                return "no GPU on this machine: vLLM serves on GPUs"
+        except ImportError:
+            pass
+        return None
+
+    def unsupported(self, levers: Levers) -> dict[str, str]:
+        gaps: dict[str, str] = {}
+        q = levers.quantization
+        if q and q not in ON_THE_FLY and q not in self.checkpoints:
+            gaps["precision"] = f"{q} needs a pre-quantized checkpoint (--vllm-checkpoint {q}=DIR)"
+        if (levers.speculative or {}).get("adaptive"):
+            gaps["speculation"] = "vLLM has no adaptive K (its nearest is disable_by_batch_size)"
+        return gaps
+
+    def command(self, model: str, levers: Levers, port: int) -> list[str]:
+        q = levers.quantization
+        model = self.checkpoints.get(q, model) if q else model
+        cmd = [self.binary or "vllm", "serve", model, "--port", str(port), "--dtype", levers.dtype]
+        if q in ON_THE_FLY and q not in self.checkpoints:
+            cmd += ["--quantization", ON_THE_FLY[q]]
+        if levers.kv_cache_dtype != "auto":
+            cmd += [
+                "--kv-cache-dtype",
+                "fp8" if levers.kv_cache_dtype in ("int8", "fp8") else levers.kv_cache_dtype,
+            ]
+        if levers.speculative:
+            cmd += ["--speculative-config", json.dumps(levers.speculative, sort_keys=True)]
+        cmd += ["--enable-prefix-caching" if levers.prefix_caching else "--no-enable-prefix-caching"]
+        cmd += ["--tensor-parallel-size", str(levers.tensor_parallel_size)]
+        cmd += ["--max-num-seqs", str(levers.max_num_seqs)]
+        return cmd
+
+    def capabilities(self) -> dict[str, str]:
+        return {
+            "precision": "--quantization fp8 on the fly (int8 -> fp8); int4 from an AWQ/GPTQ checkpoint",
+            "kv_cache_dtype": "--kv-cache-dtype fp8 (int8 -> fp8)",
+            "speculation": "--speculative-config ngram | draft model | eagle/eagle3 (no adaptive K)",
+            "prefix_caching": "--enable-prefix-caching / --no-enable-prefix-caching",
+            "tensor_parallel": "--tensor-parallel-size",
+            "batch_policy": "--max-num-seqs",
+        }

@@ -1,0 +1,382 @@
+"""A study plan: a baseline and steps, each changing exactly one lever from its parent.
+
+    baseline ─ int8 ─ int4 ─ ...        every step names its parent (default: the step above) and one lever;
+                 └─ int8+ngram ─ ...    validate() refuses a step that changes zero or several levers.
+
+Levers and the fields they own (a lever is the unit of "one change"):
+  precision        dtype + quantization (weights)            "int8", "int4", "bfloat16", "float32", "fp8"...
+  kv_cache_dtype   KV-cache element type                     "auto", "int8", "fp8"
+  speculation      method, K, adaptive, draft/head folder    {"method": "ngram", "num_speculative_tokens": 4}
+  prefix_caching   automatic prefix caching on/off           true / false
+  tensor_parallel  tensor-parallel degree                    1, 2, 4
+  batch_policy     max_num_seqs (sequences per step)         16, 64
+Plans come from code (default_plan / full_plan / tiny_plan) or a YAML/TOML file (load_plan).
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+LEVERS = ("precision", "kv_cache_dtype", "speculation", "prefix_caching", "tensor_parallel", "batch_policy")
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+class PlanError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Levers:
+    """One configuration's lever settings (engine-neutral; engines map them onto their flags)."""
+
+    dtype: str = "bfloat16"
+    quantization: str | None = None  # None: weights in `dtype`
+    kv_cache_dtype: str = "auto"
+    speculative: dict | None = None  # vLLM's --speculative-config shape
+    prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    max_num_seqs: int = 64
+
+    def lever_values(self) -> dict[str, Any]:
+        """Lever name -> the value that lever owns (what 'changes one lever' compares)."""
+        return {
+            "precision": (self.dtype, self.quantization),
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "speculation": json.dumps(self.speculative, sort_keys=True) if self.speculative else None,
+            "prefix_caching": self.prefix_caching,
+            "tensor_parallel": self.tensor_parallel_size,
+            "batch_policy": self.max_num_seqs,
+        }
+
+    def changed_levers(self, other: Levers) -> list[str]:
+        a, b = self.lever_values(), other.lever_values()
+        return [k for k in LEVERS if a[k] != b[k]]
+
+    def with_lever(self, lever: str, value: Any) -> Levers:
+        """A copy with one lever set. precision: "int8"/"int4"/... (quantization) or a dtype name."""
+        if lever == "precision":
+            if isinstance(value, dict):
+                return replace(
+                    self, dtype=value.get("dtype", self.dtype), quantization=value.get("quantization")
+                )
+            if value in DTYPES:
+                return replace(self, dtype=value, quantization=None)
+            return replace(self, quantization=None if value in (None, "none") else str(value))
+        if lever == "kv_cache_dtype":
+            return replace(self, kv_cache_dtype=str(value))
+        if lever == "speculation":
+            if value in (None, "none", False):
+                return replace(self, speculative=None)
+            if not isinstance(value, dict) or "method" not in value:
+                raise PlanError(f"speculation must be a table with a 'method', got {value!r}")
+            return replace(self, speculative=dict(value))
+        if lever == "prefix_caching":
+            if not isinstance(value, bool):
+                raise PlanError(f"prefix_caching must be true or false, got {value!r}")
+            return replace(self, prefix_caching=value)
+        if lever == "tensor_parallel":
+            return replace(self, tensor_parallel_size=int(value))
+        if lever == "batch_policy":
+            return replace(self, max_num_seqs=int(value))
+        raise PlanError(f"unknown lever {lever!r}; levers: {', '.join(LEVERS)}")
+
+    def precision_label(self) -> str:
+        return self.quantization or self.dtype
+
+    def speculation_label(self) -> str:
+        s = self.speculative
+        if not s:
+            return "none"
+        k = s.get("num_speculative_tokens", "?")
+        return f"{s['method']} K={k}" + (" adaptive" if s.get("adaptive") else "")
+
+    def describe(self, lever: str) -> str:
+        """The value of one lever, for tables ("int8", "ngram K=4 adaptive", "off", "TP=2")."""
+        if lever == "precision":
+            return self.precision_label()
+        if lever == "kv_cache_dtype":
+            return "model dtype" if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        if lever == "speculation":
+            return self.speculation_label()
+        if lever == "prefix_caching":
+            return "on" if self.prefix_caching else "off"
+        if lever == "tensor_parallel":
+            return f"TP={self.tensor_parallel_size}"
+        return f"max_num_seqs={self.max_num_seqs}"
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    parent: str | None  # None: the baseline
+    lever: str | None  # None: the baseline
+    levers: Levers
+    note: str = ""
+
+    @property
+    def change(self) -> str:
+        if self.lever is None:
+            return "baseline"
+        return f"{self.lever}: {self.levers.describe(self.lever)}"
+
+
+@dataclass
+class Plan:
+    name: str
+    steps: list[Step]
+    # workload: how much of the prompt set each configuration runs
+    buckets: list[str] | None = None  # None: every bucket of the prompt set
+    num_prompts: int | None = 2  # per bucket (None: the whole bucket)
+    output_scale: float = 1.0  # output lengths x this (short plan: 0.5 keeps the 1:4 ratio, halves the time)
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])
+    sweep_bucket: str = "medium"
+    sweep_rounds: int = 1
+    warmup: int = 2
+    fidelity_prompts: int = 4  # prompts for the fidelity pass
+    fidelity_tokens: int = 64  # greedy tokens compared per prompt
+
+    def __post_init__(self) -> None:
+        validate(self.steps)
+
+    def step(self, name: str) -> Step:
+        for s in self.steps:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["steps"] = [{**asdict(s), "change": s.change} for s in self.steps]
+        return d
+
+
+def validate(steps: list[Step]) -> None:
+    if not steps:
+        raise PlanError("a plan needs at least a baseline")
+    if steps[0].parent is not None:
+        raise PlanError(f"the first step ({steps[0].name!r}) must be the baseline (no parent)")
+    seen: dict[str, Step] = {}
+    for s in steps:
+        if s.name in seen:
+            raise PlanError(f"step name {s.name!r} is used twice")
+        if not s.name or any(c in s.name for c in "/\\ "):
+            raise PlanError(f"step name {s.name!r} must be non-empty without '/', '\\' or spaces")
+        if s.parent is None:
+            if s is not steps[0]:
+                raise PlanError(f"only the first step may be a baseline; {s.name!r} has no parent")
+        else:
+            if s.parent not in seen:
+                raise PlanError(f"step {s.name!r}: parent {s.parent!r} is not an earlier step")
+            changed = s.levers.changed_levers(seen[s.parent].levers)
+            if len(changed) != 1:
+                what = "nothing" if not changed else ", ".join(changed)
+                raise PlanError(
+                    f"step {s.name!r} must change exactly one lever from {s.parent!r}; it changes {what}"
+                )
+            if s.lever != changed[0]:
+                raise PlanError(f"step {s.name!r} says it changes {s.lever!r} but changes {changed[0]!r}")
+        seen[s.name] = s
+
+
+class PlanBuilder:
+    """baseline(...) then .step(name, lever, value, parent=None): parent defaults to the step above."""
+
+    def __init__(self, name: str = "baseline", levers: Levers | None = None, note: str = ""):
+        self.steps = [Step(name, None, None, levers or Levers(), note)]
+
+    def step(
+        self, name: str, lever: str, value: Any, parent: str | None = None, note: str = ""
+    ) -> PlanBuilder:
+        parent = parent or self.steps[-1].name
+        base = next((s for s in self.steps if s.name == parent), None)
+        if base is None:
+            raise PlanError(f"step {name!r}: parent {parent!r} is not an earlier step")
+        if lever not in LEVERS:
+            raise PlanError(f"step {name!r}: unknown lever {lever!r}; levers: {', '.join(LEVERS)}")
+        self.steps.append(Step(name, parent, lever, base.levers.with_lever(lever, value), note))
+        return self
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+DRAFT_MODEL_DIR = "models/leverlab-code-draft"
+EAGLE_HEAD_DIR = "models/leverlab-code-eagle"  # a trained EAGLE head for the bundled model (not yet trained)
+
+
+def _reference_steps(b: PlanBuilder, *, full: bool) -> PlanBuilder:
+    """The reference progression: precision down, then speculation on the 8-bit model, then the stack."""
+    b.step("int8", "precision", "int8", note="8-bit weights (the reference's FP8 step)")
+    b.step("int4", "precision", "int4", note="4-bit weights, group-wise scales (the reference's AWQ INT4)")
+    b.step("int8-ngram", "speculation", NGRAM, parent="int8", note="n-gram (prompt lookup) speculation")
+    b.step(
+        "int8-ngram-adaptive",
+        "speculation",
+        {**NGRAM, "adaptive": True},
+        note="K chosen per step from measured acceptance and batch size (0 under load)",
+    )
+    b.step(
+        "int8-draft",
+        "speculation",
+        {"method": "draft_model", "model": DRAFT_MODEL_DIR, "num_speculative_tokens": 4},
+        parent="int8",
+        note="a separate small draft model",
+    )
+    b.step(
+        "int8-eagle",
+        "speculation",
+        {"method": "eagle", "model": EAGLE_HEAD_DIR, "num_speculative_tokens": 3},
+        parent="int8",
+        note="a fused trained head (EAGLE)",
+    )
+    b.step(
+        "champion", "precision", "int4", parent="int8-eagle", note="INT4 + EAGLE: the reference's champion"
+    )
+    b.step("champion-tp2", "tensor_parallel", 2, note="the champion at tensor-parallel size 2")
+    if full:
+        b.step("int8-kv-int8", "kv_cache_dtype", "int8", parent="int8", note="8-bit KV cache")
+        b.step("no-prefix-cache", "prefix_caching", False, parent="baseline", note="prefix caching off")
+        b.step(
+            "baseline-tp2", "tensor_parallel", 2, parent="baseline", note="tensor parallel on the baseline"
+        )
+        b.step("max-seqs-4", "batch_policy", 4, parent="baseline", note="at most 4 sequences per step")
+    return b
+
+
+def default_plan() -> Plan:
+    """The short plan (~10 min on 2 cores with the bundled model): the reference progression, 2 prompts per
+    bucket, output lengths halved (the 1:4 ratio of medium to decode kept), concurrency 1, 4, 16."""
+    b = _reference_steps(PlanBuilder(note="bfloat16 weights and KV cache"), full=False)
+    return Plan("default", b.steps, num_prompts=2, output_scale=0.5, concurrency=[1, 4, 16], sweep_rounds=1)
+
+
+def full_plan() -> Plan:
+    """--full: every lever, the whole prompt set at the reference's lengths, concurrency 1..16."""
+    b = _reference_steps(PlanBuilder(note="bfloat16 weights and KV cache"), full=True)
+    return Plan(
+        "full",
+        b.steps,
+        num_prompts=None,
+        output_scale=1.0,
+        concurrency=[1, 2, 4, 8, 16],
+        sweep_rounds=2,
+        fidelity_prompts=16,
+        fidelity_tokens=128,
+    )
+
+
+# ---- files ------------------------------------------------------------------------------------------------
+
+
+def load_plan(path: str | Path) -> Plan:
+    """A YAML or TOML plan:
+
+    name = "mine"
+    num_prompts = 2
+    concurrency = [1, 2]
+    [baseline]
+    dtype = "float32"
+    [[steps]]
+    name = "int8"
+    precision = "int8"            # exactly one lever key per step
+    [[steps]]
+    name = "ngram"
+    parent = "int8"
+    speculation = { method = "ngram", num_speculative_tokens = 4 }
+    """
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix.lower() == ".toml":
+        raw = tomllib.loads(text)
+    else:
+        import yaml
+
+        raw = yaml.safe_load(text)
+    if not isinstance(raw, dict):
+        raise PlanError(f"{path}: a plan file must be a mapping")
+    return plan_from_dict(raw, default_name=path.stem)
+
+
+PLAN_KEYS = {
+    "buckets",
+    "num_prompts",
+    "output_scale",
+    "concurrency",
+    "sweep_bucket",
+    "sweep_rounds",
+    "warmup",
+    "fidelity_prompts",
+    "fidelity_tokens",
+}
+
+
+def plan_from_dict(raw: dict[str, Any], default_name: str = "plan") -> Plan:
+    unknown = set(raw) - PLAN_KEYS - {"name", "baseline", "steps"}
+    if unknown:
+        raise PlanError(
+            f"unknown plan keys {sorted(unknown)}; known: {sorted(PLAN_KEYS | {'name', 'baseline', 'steps'})}"
+        )
+    base_raw = dict(raw.get("baseline") or {})
+    base_name = base_raw.pop("name", "baseline")
+    base_note = str(base_raw.pop("note", ""))
+    try:
+        base = Levers(**base_raw)
+    except TypeError as e:
+        raise PlanError(f"baseline: {e}") from None
+    b = PlanBuilder(base_name, base, base_note)
+    for i, s in enumerate(raw.get("steps") or []):
+        s = dict(s)
+        name = s.pop("name", None) or f"step{i + 1}"
+        parent = s.pop("parent", None)
+        note = s.pop("note", "")
+        keys = [k for k in s if k in LEVERS]
+        extra = [k for k in s if k not in LEVERS]
+        if extra:
+            raise PlanError(
+                f"step {name!r}: unknown keys {extra}; a step names one lever of {', '.join(LEVERS)}"
+            )
+        if len(keys) != 1:
+            raise PlanError(f"step {name!r} must set exactly one lever, sets {keys or 'none'}")
+        b.step(name, keys[0], s[keys[0]], parent=parent, note=note)
+    kw = {k: raw[k] for k in PLAN_KEYS if k in raw}
+    return Plan(raw.get("name", default_name), b.steps, **kw)
+
+
+def plan_from_steps_arg(spec: str, baseline: Levers | None = None) -> Plan:
+    """--steps 'int8:precision=int8,ngram:speculation=ngram/4,fp32:precision=float32@baseline'.
+
+    Each item is NAME:LEVER=VALUE[@PARENT]; speculation values are METHOD[/K][/adaptive].
+    """
+    b = PlanBuilder(levers=baseline)
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        try:
+            name, rest = item.split(":", 1)
+            rest, _, parent = rest.partition("@")
+            lever, value = rest.split("=", 1)
+        except ValueError:
+            raise PlanError(f"--steps item {item!r} is not NAME:LEVER=VALUE[@PARENT]") from None
+        b.step(name, lever, parse_value(lever, value), parent=parent or None)
+    return Plan("custom", b.steps)
+
+
+def parse_value(lever: str, value: str) -> Any:
+    if lever == "speculation":
+        if value in ("none", "off"):
+            return None
+        parts = value.split("/")
+        d: dict[str, Any] = {
+            "method": parts[0],
+            "num_speculative_tokens": int(parts[1]) if len(parts) > 1 else 4,
+        }
+        if "adaptive" in parts[2:]:
+            d["adaptive"] = True
+        return d
+    if lever == "prefix_caching":
+        if value.lower() not in ("on", "off", "true", "false"):
+            raise PlanError(f"prefix_caching is on or off, got {value!r}")
+        return value.lower() in ("on", "true")
+    if lever in ("tensor_parallel", "batch_policy"):
+        return int(value)
+    return value

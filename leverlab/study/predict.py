@@ -1,0 +1,206 @@
+"""The bandwidth model: what each configuration should do if decode were bound by memory reads.
+
+One decode pass reads every weight once plus the KV cache of each sequence in the batch:
+    bytes_per_pass = linear_params * bits/8 + head_and_embedding_params * dtype_bytes + B * context * kv_bytes
+and produces B * tokens_per_pass tokens, where tokens_per_pass = G / (G - A) from the server's counters
+(G tokens generated, A draft tokens accepted: every pass yields exactly one token of its own plus the accepted
+drafts). So:
+    roofline decode tok/s (one stream) = tokens_per_pass * bandwidth / bytes_per_pass
+    calibrated: a pass costs t_fixed + bytes/bandwidth, with t_fixed fitted once on the baseline's measurement
+    (scheduling, dispatch, sampling, streaming: what a small model on a CPU mostly pays), applied to the rest.
+The predicted speedup of a configuration over its parent is the ratio of those rates; the report puts it
+beside the measured ratio and explains large gaps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from leverlab.study.plan import Levers
+
+DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
+# Storage bits per quantized weight, scales included (as leverlab/quant stores them).
+QUANT_BITS = {
+    "int8": 8 + 16 / 384,  # one 16-bit scale per output row; ~8 for any realistic row length
+    "fp8": 8.0,
+    "int4": 4 + 32 / 64,  # 16-bit scale + 16-bit zero per group of 64
+    "int4-g32": 4 + 32 / 32,
+    "int4-g64": 4 + 32 / 64,
+    "int4-g128": 4 + 32 / 128,
+    "awq": 4 + 32 / 128,
+    "gptq": 4 + 32 / 128,
+}
+GAP_THRESHOLD = 0.25  # |measured / predicted - 1| above this gets an explanation
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    linear_params: int  # the decoder layers' matmul weights (what quantization shrinks)
+    other_params: int  # embeddings / tied head / norms: kept in the model dtype
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> ModelFacts:
+        from leverlab.models.config import ModelConfig
+
+        c = ModelConfig.from_folder(path)
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        linear = c.num_layers * (
+            c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+        )
+        return cls(linear, c.num_params() - linear, c.num_layers, c.num_kv_heads, c.head_dim)
+
+    @property
+    def num_params(self) -> int:
+        return self.linear_params + self.other_params
+
+
+def weight_bits(levers: Levers) -> float:
+    if levers.quantization:
+        return QUANT_BITS.get(levers.quantization, 8.0)
+    return DTYPE_BITS.get(levers.dtype, 16)
+
+
+def kv_bytes_per_token(facts: ModelFacts, levers: Levers) -> float:
+    """K and V of one token over all layers. int8/fp8: one byte per element + a 4-byte scale per head."""
+    per_head = (
+        facts.head_dim + 4
+        if levers.kv_cache_dtype in ("int8", "fp8", "fp8_e4m3")
+        else facts.head_dim * DTYPE_BITS[levers.dtype] / 8
+    )
+    return facts.num_layers * 2 * facts.kv_heads * per_head
+
+
+def bytes_per_pass(facts: ModelFacts, levers: Levers, context: float, batch: int = 1) -> float:
+    weights = (
+        facts.linear_params * weight_bits(levers) / 8 + facts.other_params * DTYPE_BITS[levers.dtype] / 8
+    )
+    # Tensor parallelism splits the weight reads over devices (each reads 1/tp of them, in parallel).
+    weights /= max(1, levers.tensor_parallel_size)
+    return weights + batch * context * kv_bytes_per_token(facts, levers)
+
+
+def tokens_per_pass(generated: float | None, accepted: float | None) -> float:
+    if not generated or not accepted:
+        return 1.0
+    return generated / max(1.0, generated - accepted)
+
+
+def predict_all(
+    configs: list[dict[str, Any]], facts: ModelFacts, bandwidth_gbs: float, context: float, batch: int = 1
+) -> dict[str, dict[str, Any]]:
+    """configs: [{name, parent, levers: Levers, measured_decode_tok_s, generated, accepted}] in plan order,
+    the first being the baseline; optionally generated_load / accepted_load / measured_rps_load (the counters
+    and requests/s at concurrency `batch`). Returns name -> prediction (missing measurements give None).
+
+    Under load the model predicts only a ratio against the parent: B sequences share one weight read, so
+    throughput ~ tokens_per_pass(B) / bytes_per_pass(B), where bytes grow with B's KV caches."""
+    bw = bandwidth_gbs * 1e9
+    out: dict[str, dict[str, Any]] = {}
+    base = configs[0]
+    base_bytes = bytes_per_pass(facts, base["levers"], context)
+    base_meas = base.get("measured_decode_tok_s")
+    base_tpp = tokens_per_pass(base.get("generated"), base.get("accepted"))
+    # t_fixed: the part of the baseline's pass time that the bytes do not explain.
+    t_fixed = None
+    if base_meas and base_meas > 0:
+        t_fixed = max(0.0, base_tpp / base_meas - base_bytes / bw)
+    levers_by_name: dict[str, Levers] = {}
+    for c in configs:
+        lv: Levers = c["levers"]
+        b = bytes_per_pass(facts, lv, context)
+        tpp = tokens_per_pass(c.get("generated"), c.get("accepted"))
+        roof = tpp * bw / b
+        calibrated = tpp / (t_fixed + b / bw) if t_fixed is not None else None
+        meas = c.get("measured_decode_tok_s")
+        p = {
+            "bytes_per_pass": b,
+            "weight_bits": weight_bits(lv),
+            "byte_ratio_vs_baseline": base_bytes / b,
+            "tokens_per_pass": tpp,
+            "roofline_tok_s": roof,
+            "calibrated_tok_s": calibrated,
+            "t_fixed_ms": None if t_fixed is None else t_fixed * 1e3,
+            "t_bytes_ms": b / bw * 1e3,
+            "measured_decode_tok_s": meas,
+            "roofline_share": (meas / roof) if meas else None,
+        }
+        tpp_load = tokens_per_pass(c.get("generated_load"), c.get("accepted_load"))
+        p["tokens_per_pass_load"] = tpp_load
+        p["load_rate_index"] = tpp_load / bytes_per_pass(facts, lv, context, batch)  # relative only
+        p["measured_rps_load"] = c.get("measured_rps_load")
+        parent = out.get(c.get("parent") or "")
+        if parent:
+            p["predicted_load_speedup_vs_parent"] = p["load_rate_index"] / parent["load_rate_index"]
+            pr = parent.get("measured_rps_load")
+            p["measured_load_speedup_vs_parent"] = (
+                (p["measured_rps_load"] / pr) if (pr and p["measured_rps_load"]) else None
+            )
+            p["predicted_speedup_vs_parent"] = (
+                (calibrated / parent["calibrated_tok_s"])
+                if (calibrated and parent.get("calibrated_tok_s"))
+                else roof / parent["roofline_tok_s"]
+            )
+            p["roofline_speedup_vs_parent"] = roof / parent["roofline_tok_s"]
+            pm = parent.get("measured_decode_tok_s")
+            p["measured_speedup_vs_parent"] = (meas / pm) if (meas and pm) else None
+        parent_lv = levers_by_name.get(c.get("parent") or "")
+        changed = lv.changed_levers(parent_lv) if parent_lv is not None else []
+        p["gap"] = explain_gap(p, changed[0] if len(changed) == 1 else None)
+        out[c["name"]] = p
+        levers_by_name[c["name"]] = lv
+    return out
+
+
+def explain_gap(p: dict[str, Any], lever: str | None) -> str | None:
+    """A sentence when measured and predicted differ by more than GAP_THRESHOLD, else None. lever: the one
+    lever this configuration changed from its parent (what the speedup gap is about)."""
+    meas = p.get("measured_decode_tok_s")
+    if not meas:
+        return None
+    notes = []
+    share = p["roofline_share"]
+    if share is not None and share < 1 - GAP_THRESHOLD:
+        tf, tb = p.get("t_fixed_ms"), p["t_bytes_ms"]
+        if tf is not None:
+            notes.append(
+                f"reaches {share:.0%} of the bandwidth roofline: reading the bytes takes {tb:.2f} ms per pass, "
+                f"the fixed per-pass cost (scheduling, kernel dispatch, sampling, streaming) about {tf:.2f} ms; "
+                "the model is too small for its decode to be bandwidth-bound here"
+            )
+    elif share is not None and share > 1 + GAP_THRESHOLD:
+        notes.append(
+            f"exceeds the DRAM roofline ({share:.0%}): {p['bytes_per_pass'] / 1e6:.0f} MB per pass partly stays in "
+            "the CPU caches, which are faster than the measured memory bandwidth"
+        )
+    ms, ps = p.get("measured_speedup_vs_parent"), p.get("predicted_speedup_vs_parent")
+    if ms and ps and not math.isclose(ms, ps, rel_tol=GAP_THRESHOLD):
+        if lever == "precision" and ms < ps:
+            notes.append(
+                f"speedup {ms:.2f}x against {ps:.2f}x predicted: the quantized matmuls unpack and rescale "
+                "weights on the fly, which costs compute the bandwidth model does not count"
+            )
+        elif lever == "speculation" and ms < ps:
+            notes.append(
+                f"speedup {ms:.2f}x against {ps:.2f}x predicted: a verify pass over K+1 tokens costs more than a "
+                "one-token pass on a CPU (compute, not bytes), and proposing and rolling back cost time"
+            )
+        elif ms > ps:
+            notes.append(
+                f"speedup {ms:.2f}x beats the {ps:.2f}x predicted (noise on a shared machine, or caches)"
+            )
+        else:
+            notes.append(f"speedup {ms:.2f}x against {ps:.2f}x predicted")
+    ml, pl = p.get("measured_load_speedup_vs_parent"), p.get("predicted_load_speedup_vs_parent")
+    if ml and pl and not math.isclose(ml, pl, rel_tol=GAP_THRESHOLD):
+        notes.append(
+            f"under load {ml:.2f}x against {pl:.2f}x from bytes: a batch shares one weight read, so a batched "
+            "CPU decode is bound by compute and scheduling more than by bytes"
+            + (" (and a noisy shared machine)" if ml > pl else "")
+        )
+    return "; ".join(notes) or None

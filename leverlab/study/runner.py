@@ -1,0 +1,346 @@
+"""Runs a study: for each configuration, start its server, wait for health, run the harness (warm-up, every
+bucket at concurrency 1, the sweep), keep the counters, collect fidelity, stop it. Then the report.
+
+Layout of a study folder:
+    study.json              the state: plan, model, engine, bandwidth, and per configuration its status
+                            (done | failed | unavailable), reason, log tail, timings (rewritten after each step)
+    workload.json           the prompt set this study runs (a subset of the bundled one, lengths scaled)
+    <config>/server.log     the server's output
+    <config>/bench/         the harness's results folder (summary.json, records.jsonl, report.md, plots/)
+    <config>/fidelity-samples.json
+    report.md, report.html, analysis.json, plots/
+Resume (`--resume DIR`): configurations already done are skipped; failed and refused ones are tried again.
+Invariant: every started server is stopped (try/finally), and every configuration ends with a status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from leverlab.study.engines import Engine, StartFailed
+from leverlab.study.plan import Plan, Step
+
+# Kept on resume. Refusals are re-checked (cheap: most are found without starting a server), since the engine
+# or its files may have changed since (a draft model that landed, a lever that got built).
+FINAL = ("done",)
+
+
+# ---- the workload ------------------------------------------------------------------------------------------
+
+
+def prepare_workload(src: str | Path, plan: Plan, dest: Path) -> Path:
+    """The study's own prompt set: the plan's buckets, num_prompts each (the first ones: deterministic), output
+    lengths scaled by plan.output_scale. Written once; a resumed study reuses it so every config sees the same."""
+    if dest.is_file():
+        return dest
+    raw = json.loads(Path(src).read_text())
+    buckets = raw["buckets"]
+    names = plan.buckets or list(buckets)
+    missing = [b for b in names if b not in buckets]
+    if missing:
+        raise ValueError(f"buckets {missing} not in {src}; it has {list(buckets)}")
+    out: dict[str, Any] = {
+        "provenance": {**raw.get("provenance", {}), "study_subset_of": str(src)},
+        "buckets": {},
+    }
+    for name in names:
+        b = dict(buckets[name])
+        if plan.num_prompts:
+            b["prompts"] = b["prompts"][: plan.num_prompts]
+        b["output_len"] = max(1, round(b["output_len"] * plan.output_scale))
+        out["buckets"][name] = b
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(out, indent=1))
+    return dest
+
+
+def fidelity_prompts(workload: Path, n: int) -> list[dict]:
+    """n prompts taken round-robin over the buckets with the shortest inputs first (decode-like contexts)."""
+    raw = json.loads(workload.read_text())["buckets"]
+    order = sorted(raw, key=lambda b: raw[b].get("input_tokens", 0))
+    pools = [list(raw[b]["prompts"]) for b in order]
+    picked: list[dict] = []
+    while len(picked) < n and any(pools):
+        for pool in pools:
+            if pool and len(picked) < n:
+                p = pool.pop(0)
+                picked.append({"id": p["id"], "text": p["text"]})
+    return picked
+
+
+# ---- state ---------------------------------------------------------------------------------------------------
+
+
+class StudyState:
+    def __init__(self, path: Path, data: dict[str, Any]):
+        self.path, self.data = path, data
+
+    @classmethod
+    def load_or_new(cls, out_dir: Path, header: dict[str, Any], resume: bool) -> StudyState:
+        path = out_dir / "study.json"
+        if resume and path.is_file():
+            data = json.loads(path.read_text())
+            old, new = data.get("plan", {}).get("steps"), header["plan"]["steps"]
+            if [s["name"] for s in old or []] != [s["name"] for s in new]:
+                raise ValueError(
+                    f"{path} holds a different plan; resume it with the same plan or use a new folder"
+                )
+            data.setdefault("resumed", []).append(time.strftime("%Y-%m-%dT%H:%M:%S"))
+            data["plan"] = header["plan"]  # same steps; settings such as a draft folder may have been fixed
+            return cls(path, data)
+        return cls(path, {**header, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "configs": {}})
+
+    def config(self, name: str) -> dict[str, Any]:
+        return self.data["configs"].setdefault(name, {"status": "pending"})
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        os.replace(tmp, self.path)
+
+
+# ---- progress ------------------------------------------------------------------------------------------------
+
+
+class StudyProgress:
+    """Which configuration (i/N), what it changes, how long so far and about how long is left."""
+
+    def __init__(self, console=None, show_requests: bool = True):
+        self.console = console
+        self.show_requests = show_requests
+        self.t0 = time.monotonic()
+        self.durations: list[float] = []
+
+    def say(self, msg: str) -> None:
+        if self.console is not None:
+            self.console.print(msg)
+
+    def config_start(self, i: int, n: int, step: Step, remaining_runnable: int) -> None:
+        elapsed = time.monotonic() - self.t0
+        eta = ""
+        if self.durations:
+            left = sum(self.durations) / len(self.durations) * remaining_runnable
+            eta = f", about {_mmss(left)} left"
+        self.say(
+            f"[bold cyan][{i}/{n}] {step.name}[/bold cyan] ({step.change}"
+            f"{' vs ' + step.parent if step.parent else ''}) - elapsed {_mmss(elapsed)}{eta}"
+        )
+
+    def bench_progress(self):
+        if self.console is None or not self.show_requests:
+            return None
+        from leverlab.bench.progress import RichProgress
+
+        return RichProgress(self.console)
+
+
+def _mmss(s: float) -> str:
+    return f"{int(s // 60)}:{int(s % 60):02d}"
+
+
+# ---- one configuration ---------------------------------------------------------------------------------------
+
+
+def run_config(
+    step: Step,
+    plan: Plan,
+    engine: Engine,
+    model: str,
+    workload: Path,
+    cfg_dir: Path,
+    rec: dict[str, Any],
+    progress: StudyProgress,
+    fid_prompts: list[dict],
+) -> None:
+    """Fills rec (the config's entry in study.json): status, reason, timings, paths."""
+    from leverlab.bench import BenchConfig, run_benchmark
+
+    t0 = time.monotonic()
+    rec.update(
+        status="running", levers=asdict(step.levers), started=time.strftime("%H:%M:%S"), load_start=_load()
+    )
+    for k in ("reason", "log_tail", "fidelity", "fidelity_error"):
+        rec.pop(k, None)
+    try:
+        handle = engine.start(model, step.levers, cfg_dir / "server.log")
+    except StartFailed as e:
+        rec.update(status=e.kind, reason=e.reason, log_tail=e.log_tail[-3000:])
+        progress.say(f"  [yellow]{e.kind}[/yellow]: {e.reason}")
+        return
+    rec["startup_s"] = handle.startup_s
+    rec["server_command"] = handle.command
+    progress.say(f"  server up in {handle.startup_s:.1f} s; benchmarking")
+    fid: dict[str, Any] | None = None
+    try:
+        bench_cfg = BenchConfig(
+            base_url=handle.base_url,
+            workload_file=str(workload),
+            concurrency=list(plan.concurrency),
+            sweep_bucket=plan.sweep_bucket,
+            sweep_rounds=plan.sweep_rounds,
+            warmup=plan.warmup,
+            extra_body=engine.extra_body(step.levers),
+            out_dir=str(cfg_dir / "bench"),
+        )
+        res = run_benchmark(bench_cfg, progress.bench_progress())
+        errors = sum(g["errors"] for g in res.groups)
+        completed = sum(g["completed"] for g in res.groups)
+        rec.update(bench_dir="bench", requests_completed=completed, request_errors=errors)
+        if engine.fidelity_mode == "http":
+            fid = _fidelity_http(engine, handle.base_url, step, plan, fid_prompts, cfg_dir, rec)
+    except Exception as e:  # noqa: BLE001 - any failure is recorded with its reason, never dropped
+        rec.update(status="failed", reason=f"{type(e).__name__}: {e}")
+    finally:
+        rc = handle.stop()
+        rec["server_exit_code"] = rc
+    if rec["status"] == "failed":
+        rec["log_tail"] = _tail(cfg_dir / "server.log")
+        rec["duration_s"] = time.monotonic() - t0
+        progress.say(f"  [red]failed[/red]: {rec['reason']}")
+        return
+    if rec.get("requests_completed", 0) == 0:
+        rec.update(status="failed", reason=f"every request failed ({rec.get('request_errors')} errors)")
+        rec["log_tail"] = _tail(cfg_dir / "server.log")
+    else:
+        rec["status"] = "done"
+    if engine.fidelity_mode == "inprocess" and rec["status"] == "done":
+        progress.say("  fidelity pass (in-process)")
+        try:
+            from leverlab.study.fidelity import collect_inprocess
+
+            fid = collect_inprocess(model, asdict(step.levers), fid_prompts, plan.fidelity_tokens, cfg_dir)
+            rec["fidelity_source"] = fid.get("source")
+        except Exception as e:  # noqa: BLE001
+            rec["fidelity_error"] = str(e)[-2000:]
+            progress.say(f"  [red]fidelity failed[/red]: {str(e).splitlines()[0]}")
+    if fid is not None:
+        (cfg_dir / "fidelity-samples.json").write_text(json.dumps(fid))
+        ex = fid.get("exactness")
+        if ex is not None and not ex["exact"]:
+            progress.say(
+                f"  [bold red]BUG[/bold red]: speculation changed greedy tokens ({ex['share_identical']:.0%} identical)"
+            )
+    rec["duration_s"] = time.monotonic() - t0
+    rec["load_end"] = _load()
+    progress.say(f"  {rec['status']} in {_mmss(rec['duration_s'])}")
+
+
+def _fidelity_http(engine, base_url, step, plan, prompts, cfg_dir, rec) -> dict[str, Any] | None:
+    from leverlab.study.fidelity import collect_http
+
+    try:
+        fid = collect_http(base_url, None, prompts, plan.fidelity_tokens, engine.extra_body(step.levers))
+        rec["fidelity_source"] = fid.get("source")
+        return fid
+    except Exception as e:  # noqa: BLE001
+        rec["fidelity_error"] = f"{type(e).__name__}: {e}"
+        return None
+
+
+def engine_threads(model: str, levers) -> int:
+    """The thread count LeverLab's engine gives this model (leverlab/engine/llm_engine.py: one thread below
+    256 MiB of weights, where fork/join per op does not pay), so the bandwidth is measured as the engine reads."""
+    try:
+        from leverlab.study.predict import DTYPE_BITS, ModelFacts
+
+        weight_bytes = ModelFacts.from_folder(model).num_params * DTYPE_BITS.get(levers.dtype, 16) / 8
+    except Exception:  # noqa: BLE001 - not a local HF folder (GGUF, a hub name): all cores
+        return os.cpu_count() or 1
+    return 1 if weight_bytes < 256 * 2**20 else (os.cpu_count() or 1)
+
+
+def _load() -> float | None:
+    """The 1-minute load average: how contended the machine was (a 2-core machine at 7 is noisy)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def _tail(path: Path, n: int = 30) -> str:
+    from leverlab.study.engines.base import tail
+
+    return tail(path, n)[-3000:]
+
+
+# ---- the study -----------------------------------------------------------------------------------------------
+
+
+def run_study(
+    plan: Plan,
+    engine: Engine,
+    model: str,
+    out_dir: Path,
+    *,
+    source_workload: str | Path,
+    resume: bool = False,
+    console=None,
+    show_requests: bool = True,
+    bandwidth_gbs: float | None = None,
+    only: Callable[[Step], bool] | None = None,
+) -> StudyState:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    header = {
+        "plan": plan.to_json(),
+        "model": str(model),
+        "engine": engine.name,
+        "engine_capabilities": engine.capabilities(),
+        "engine_installed": engine.installed(),
+    }
+    state = StudyState.load_or_new(out_dir, header, resume)
+    workload = prepare_workload(source_workload, plan, out_dir / "workload.json")
+    have = list(json.loads(workload.read_text())["buckets"])
+    if plan.sweep_bucket not in have:
+        raise ValueError(
+            f"the sweep bucket {plan.sweep_bucket!r} is not in the workload; it has {', '.join(have)}"
+        )
+    state.data["workload"] = str(workload)
+    progress = StudyProgress(console, show_requests)
+    if state.data.get("bandwidth_gbs") is None:
+        threads = engine_threads(model, plan.steps[0].levers)
+        if bandwidth_gbs is None:
+            from leverlab.study.bandwidth import measure_bandwidth
+
+            progress.say(
+                f"measuring memory bandwidth ({threads} thread{'s' if threads > 1 else ''}, as the engine)"
+            )
+            bandwidth_gbs = measure_bandwidth(threads, gib=0.5)
+        state.data["bandwidth_gbs"] = bandwidth_gbs
+        state.data["bandwidth_threads"] = threads
+    progress.say(f"memory bandwidth {state.data['bandwidth_gbs']:.1f} GB/s")
+    state.save()
+    fid_prompts = fidelity_prompts(workload, plan.fidelity_prompts)
+    steps = [s for s in plan.steps if only is None or only(s)]
+    for i, step in enumerate(steps, 1):
+        rec = state.config(step.name)
+        if resume and rec.get("status") in FINAL:
+            progress.say(f"[{i}/{len(steps)}] {step.name}: {rec['status']} (kept from the earlier run)")
+            continue
+        remaining = sum(
+            1
+            for s in steps[i - 1 :]
+            if state.config(s.name).get("status") not in FINAL and engine.runnable(model, s.levers)
+        )
+        progress.config_start(i, len(steps), step, remaining)
+        cfg_dir = out_dir / step.name
+        cfg_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run_config(step, plan, engine, model, workload, cfg_dir, rec, progress, fid_prompts)
+        except KeyboardInterrupt:
+            rec.update(status="failed", reason="interrupted")
+            state.save()
+            raise
+        if rec.get("status") == "done":
+            progress.durations.append(rec.get("duration_s", 0.0))
+        state.save()
+    state.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    # Cumulative over resumed runs: the time the study's measurements took, not the last session's.
+    state.data["elapsed_s"] = state.data.get("elapsed_s", 0.0) + (time.monotonic() - progress.t0)
+    state.save()
+    return state

@@ -1,0 +1,91 @@
+"""Flag mapping of each engine adapter, and what each says it cannot express."""
+
+from __future__ import annotations
+
+import json
+
+from leverlab.study.engines import get_engine
+from leverlab.study.engines.base import refusal_message
+from leverlab.study.plan import Levers
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+def _flag(cmd, name):
+    return cmd[cmd.index(name) + 1]
+
+
+def test_leverlab_flags():
+    e = get_engine("leverlab", execution_mode="eager")
+    lv = Levers(
+        quantization="int8", kv_cache_dtype="int8", speculative=NGRAM, prefix_caching=False, max_num_seqs=8
+    )
+    cmd = e.command("/m", lv, 1234)
+    assert cmd[cmd.index("serve") + 1] == "/m" and _flag(cmd, "--port") == "1234"
+    assert _flag(cmd, "--quantization") == "int8" and _flag(cmd, "--kv-cache-dtype") == "int8"
+    assert json.loads(_flag(cmd, "--speculative-config")) == NGRAM
+    assert "--no-enable-prefix-caching" in cmd and _flag(cmd, "--max-num-seqs") == "8"
+    assert _flag(cmd, "--execution-mode") == "eager" and _flag(cmd, "--dtype") == "bfloat16"
+
+
+def test_leverlab_refusals_come_from_the_engine_config_then_the_draft_folder():
+    e = get_engine("leverlab")
+    assert e.unsupported(Levers(tensor_parallel_size=2)) == {}
+    assert "not built yet" in e.precheck("m", Levers(tensor_parallel_size=2))
+    assert e.precheck("m", Levers(speculative=NGRAM)) is None
+    msg = e.precheck("m", Levers(speculative={"method": "draft_model", "model": "models/no-such-draft"}))
+    assert "does not exist" in msg
+    assert not e.runnable("m", Levers(tensor_parallel_size=2)) and e.runnable("m", Levers())
+
+
+def test_refusal_message_is_the_engines_line():
+    log = "$ leverlab serve ...\nsome info\nleverlab serve: speculative method 'eagle' is not built yet (issue 7)\n"
+    assert refusal_message(log) == "speculative method 'eagle' is not built yet (issue 7)"
+
+
+def test_vllm_flags_and_gaps():
+    e = get_engine("vllm")
+    cmd = e.command(
+        "Qwen/Qwen3-8B", Levers(quantization="int8", kv_cache_dtype="fp8", tensor_parallel_size=4), 9
+    )
+    assert cmd[1:3] == ["serve", "Qwen/Qwen3-8B"]
+    assert _flag(cmd, "--quantization") == "fp8" and _flag(cmd, "--kv-cache-dtype") == "fp8"
+    assert _flag(cmd, "--tensor-parallel-size") == "4" and "--enable-prefix-caching" in cmd
+    assert "pre-quantized checkpoint" in e.unsupported(Levers(quantization="int4"))["precision"]
+    assert "adaptive" in e.unsupported(Levers(speculative={**NGRAM, "adaptive": True}))["speculation"]
+    e2 = get_engine("vllm", checkpoints={"int4": "Qwen/Qwen3-8B-AWQ"})
+    cmd = e2.command("Qwen/Qwen3-8B", Levers(quantization="int4"), 9)
+    assert cmd[2] == "Qwen/Qwen3-8B-AWQ" and "--quantization" not in cmd
+
+
+def test_llamacpp_server_flags(monkeypatch):
+    e = get_engine("llamacpp", gguf={"bfloat16": "m-bf16.gguf", "int8": "m-q8.gguf"}, draft_gguf="d.gguf")
+    e.binary, e.module = "/usr/bin/llama-server", False
+    lv = Levers(quantization="int8", kv_cache_dtype="int8", max_num_seqs=4)
+    cmd = e.command("ignored", lv, 7)
+    assert _flag(cmd, "-m") == "m-q8.gguf" and _flag(cmd, "-ctk") == "q8_0" and _flag(cmd, "-np") == "4"
+    cmd = e.command("ignored", Levers(speculative={"method": "draft_model", "num_speculative_tokens": 5}), 7)
+    assert _flag(cmd, "-md") == "d.gguf" and _flag(cmd, "--draft-max") == "5"
+    assert "no EAGLE" in e.unsupported(Levers(speculative={"method": "eagle"}))["speculation"]
+    assert "prompt-lookup" in e.unsupported(Levers(speculative=NGRAM))["speculation"]
+    assert "no GGUF file for int4" in e.unsupported(Levers(quantization="int4"))["precision"]
+    assert "tensor_parallel" in e.unsupported(Levers(tensor_parallel_size=2))
+    assert e.extra_body(Levers(prefix_caching=False)) == {"cache_prompt": False}
+
+
+def test_llamacpp_python_module_flags():
+    e = get_engine("llamacpp", gguf={"bfloat16": "m.gguf"})
+    e.binary, e.module = None, True
+    cmd = e.command("ignored", Levers(speculative=NGRAM), 7)
+    assert cmd[1:3] == ["-m", "llama_cpp.server"]
+    assert (
+        _flag(cmd, "--draft_model") == "prompt-lookup-decoding"
+        and _flag(cmd, "--draft_model_num_pred_tokens") == "4"
+    )
+    assert e.unsupported(Levers(speculative=NGRAM)) == {}
+
+
+def test_llamacpp_not_installed_is_reported():
+    e = get_engine("llamacpp")
+    e.binary, e.module = None, False
+    assert e.installed().startswith("not installed")

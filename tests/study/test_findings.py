@@ -1,0 +1,240 @@
+"""The findings logic and the recommendations on constructed analyses (no servers)."""
+
+from __future__ import annotations
+
+from leverlab.study import findings as F
+from leverlab.study.plan import Levers
+from leverlab.study.recommend import recommend
+
+NG = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+def cfg(name, parent, lever, levers, status="done", **m):
+    c = {
+        "name": name,
+        "parent": parent,
+        "lever": lever,
+        "levers": levers,
+        "status": status,
+        "change": lever or "baseline",
+    }
+    c["metrics"] = m if status == "done" else None
+    c["reason"] = None if status == "done" else "not built yet"
+    return c
+
+
+def single(short, long_, decode, s_in=64, l_in=1500, out=256, d_out=1024):
+    return {
+        "short": {"e2e_p50_s": short, "input_tokens": s_in, "output_tokens": out},
+        "long": {"e2e_p50_s": long_, "input_tokens": l_in, "output_tokens": out},
+        "decode": {"e2e_p50_s": decode, "input_tokens": s_in, "output_tokens": d_out},
+    }
+
+
+def test_output_length_reproduced_with_the_reference_numbers():
+    # the reference: 72 -> 1608 input tokens added ~0.35 s; 256 -> 1024 output ~4x
+    a = {"configs": [cfg("base", None, None, Levers(), single=single(4.88, 5.23, 19.5))]}
+    f = F.check_output_length(a)
+    assert f["status"] == F.REPRODUCED and "per output token" in f["evidence"]
+
+
+def test_output_length_not_reproduced_when_prefill_is_expensive():
+    a = {"configs": [cfg("base", None, None, Levers(), single=single(1.0, 30.0, 4.0))]}
+    f = F.check_output_length(a)
+    assert f["status"] == F.NOT_REPRODUCED and "prefill is compute-bound" in f["why"]
+    s = single(1.0, 3.0, 4.0)
+    s["short"]["ttft_p50_ms"], s["long"]["ttft_p50_ms"] = 20.0, 1520.0
+    f = F.check_output_length({"configs": [cfg("base", None, None, Levers(), single=s)]})
+    assert (
+        f["status"] == F.PARTLY and "1.50 s is prefill" in f["why"] and "0.50 s is slower decode" in f["why"]
+    )
+
+
+def test_output_length_not_tested_without_buckets():
+    a = {"configs": [cfg("base", None, None, Levers(), single={})]}
+    assert F.check_output_length(a)["status"] == F.NOT_TESTED
+
+
+def _prec(dec8, dec4):
+    pred = lambda b: {"bytes_per_pass": b}  # noqa: E731
+    cs = [
+        cfg("base", None, None, Levers(), decode_tok_s=100.0, rps_cmax=1.0, c_max=16),
+        cfg(
+            "int8",
+            "base",
+            "precision",
+            Levers(quantization="int8"),
+            decode_tok_s=dec8,
+            rps_cmax=1.5,
+            c_max=16,
+        ),
+        cfg(
+            "int4",
+            "int8",
+            "precision",
+            Levers(quantization="int4"),
+            decode_tok_s=dec4,
+            rps_cmax=2.0,
+            c_max=16,
+        ),
+    ]
+    for c, b in zip(cs, (2.0, 1.0, 0.5)):
+        c["prediction"] = pred(b)
+    cs[0]["prediction"].update(t_fixed_ms=5.0, t_bytes_ms=1.0)
+    return {"configs": cs}
+
+
+def test_precision_tracks_byte_ratio():
+    f = F.check_precision(_prec(190.0, 370.0))  # 1.9x and 1.95x for 2x bytes
+    assert f["status"] == F.REPRODUCED and "bytes/pass ratio 2.00x" in f["evidence"]
+
+
+def test_precision_partly_when_fixed_costs_dominate():
+    f = F.check_precision(_prec(115.0, 125.0))
+    assert f["status"] == F.PARTLY and "fixed per-pass costs dominate" in f["why"]
+
+
+def test_precision_not_reproduced_when_slower():
+    assert F.check_precision(_prec(90.0, 95.0))["status"] == F.NOT_REPRODUCED
+
+
+def _ngram(ng_decode, ng_rps, ad_decode, ad_rps, ad_status="done"):
+    base = Levers(quantization="int8")
+    return {
+        "configs": [
+            cfg("b", None, None, Levers(), decode_tok_s=1.0),
+            cfg(
+                "int8", "b", "precision", base, single={"decode": {"e2e_p50_s": 10.0}}, rps_cmax=2.0, c_max=16
+            ),
+            cfg(
+                "ng",
+                "int8",
+                "speculation",
+                Levers(quantization="int8", speculative=NG),
+                single={"decode": {"e2e_p50_s": ng_decode}},
+                rps_cmax=ng_rps,
+                c_max=16,
+            ),
+            cfg(
+                "ad",
+                "ng",
+                "speculation",
+                Levers(quantization="int8", speculative={**NG, "adaptive": True}),
+                ad_status,
+                single={"decode": {"e2e_p50_s": ad_decode}},
+                rps_cmax=ad_rps,
+                c_max=16,
+            ),
+        ]
+    }
+
+
+def test_ngram_reproduced():
+    f = F.check_ngram(_ngram(8.0, 1.6, 8.2, 2.0))
+    assert f["status"] == F.REPRODUCED, f
+
+
+def test_ngram_partly_when_adaptive_also_loses():
+    f = F.check_ngram(_ngram(8.0, 1.6, 8.2, 1.6))
+    assert f["status"] == F.PARTLY and "adaptive mode lost" in f["why"]
+
+
+def test_ngram_not_reproduced_when_it_neither_helps_nor_hurts():
+    f = F.check_ngram(_ngram(10.5, 2.1, 10.4, 2.0))
+    assert f["status"] == F.NOT_REPRODUCED and "did not lower latency" in f["why"]
+
+
+def test_ngram_not_tested_when_refused():
+    a = _ngram(8.0, 1.6, 8.2, 2.0)
+    a["configs"][2]["status"] = "unavailable"
+    assert F.check_ngram(a)["status"] == F.NOT_TESTED
+
+
+def test_exactness_flags_a_bug():
+    a = _ngram(8.0, 1.6, 8.2, 2.0)
+    a["configs"][2]["fidelity"] = {"exactness": {"exact": False, "identical": 3, "n": 4}}
+    a["configs"][3]["fidelity"] = {"exactness": {"exact": True, "identical": 4, "n": 4}}
+    f = F.check_exactness(a)
+    assert f["status"] == F.NOT_REPRODUCED and "BUG" in f["why"] and "ng" in f["why"]
+
+
+def test_tensor_parallel_not_tested_quotes_the_engine():
+    a = {
+        "configs": [
+            cfg("b", None, None, Levers()),
+            cfg("tp2", "b", "tensor_parallel", Levers(tensor_parallel_size=2), "unavailable"),
+        ]
+    }
+    f = F.check_tensor_parallel(a)
+    assert f["status"] == F.NOT_TESTED and "not built yet" in f["why"]
+
+
+def test_multiply_compares_the_same_change_on_two_parents():
+    sp = {"method": "eagle"}
+    a = {
+        "configs": [
+            cfg("b", None, None, Levers(), decode_tok_s=100.0),
+            cfg("int8", "b", "precision", Levers(quantization="int8"), decode_tok_s=150.0),
+            cfg("int4", "int8", "precision", Levers(quantization="int4"), decode_tok_s=200.0),
+            cfg("e", "int8", "speculation", Levers(quantization="int8", speculative=sp), decode_tok_s=300.0),
+            cfg("champ", "e", "precision", Levers(quantization="int4", speculative=sp), decode_tok_s=390.0),
+        ]
+    }
+    f = F.check_multiply(a)
+    assert f["status"] == F.REPRODUCED and "1.33x on int8, 1.30x on e" in f["evidence"]
+
+
+def test_check_all_never_raises():
+    out = F.check_all({"configs": [cfg("b", None, None, Levers(), "failed")], "bandwidth_gbs": 10.0})
+    assert len(out) == 8 and all(
+        f["status"] in (F.REPRODUCED, F.PARTLY, F.NOT_REPRODUCED, F.NOT_TESTED) for f in out
+    )
+
+
+def test_recommendations_skip_bugs_and_name_a_faithful_alternative():
+    base = cfg("b", None, None, Levers(), e2e_p50_s=2.0, rps_cmax=1.0, out_tok_s_cmax=100.0, c_max=16)
+    fast = cfg(
+        "int4",
+        "b",
+        "precision",
+        Levers(quantization="int4"),
+        e2e_p50_s=1.0,
+        rps_cmax=2.0,
+        out_tok_s_cmax=200.0,
+        c_max=16,
+    )
+    fast["fidelity"] = {
+        "agreement": {"share_identical": 0.5, "identical": 2, "n": 4, "mean_first_divergence": 30.0}
+    }
+    bug = cfg(
+        "ng",
+        "b",
+        "speculation",
+        Levers(speculative=NG),
+        e2e_p50_s=0.5,
+        rps_cmax=9.0,
+        out_tok_s_cmax=900.0,
+        c_max=16,
+    )
+    bug["bug"] = True
+    same = cfg(
+        "ng2",
+        "b",
+        "speculation",
+        Levers(speculative={**NG, "adaptive": True}),
+        e2e_p50_s=1.5,
+        rps_cmax=1.1,
+        out_tok_s_cmax=110.0,
+        c_max=16,
+    )
+    same["fidelity"] = {
+        "agreement": {"share_identical": 1.0, "identical": 4, "n": 4, "mean_first_divergence": 64.0}
+    }
+    refused = cfg("tp", "b", "tensor_parallel", Levers(tensor_parallel_size=2), "unavailable")
+    recs = {r["goal"]: r for r in recommend({"configs": [base, fast, bug, same, refused]})}
+    lat = recs["lowest latency"]
+    assert lat["config"] == "int4" and lat["faithful"] == "ng2" and "2.00x better" in lat["text"]
+    assert "changes what the model says" in lat["text"]
+    assert recs["highest throughput"]["config"] == "int4"
+    assert recs["lowest cost per token"]["value"] == 5.0  # 1000 / 200 device-seconds per 1k tokens
+    assert "tp" in recs["note"]["text"]

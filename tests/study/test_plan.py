@@ -1,0 +1,150 @@
+from __future__ import annotations
+
+import pytest
+
+from leverlab.study.plan import (
+    Levers,
+    Plan,
+    PlanBuilder,
+    PlanError,
+    Step,
+    default_plan,
+    full_plan,
+    load_plan,
+    plan_from_steps_arg,
+)
+
+
+def test_default_plan_follows_the_reference_progression():
+    plan = default_plan()
+    names = [s.name for s in plan.steps]
+    assert names == [
+        "baseline",
+        "int8",
+        "int4",
+        "int8-ngram",
+        "int8-ngram-adaptive",
+        "int8-draft",
+        "int8-eagle",
+        "champion",
+        "champion-tp2",
+    ]
+    champ = plan.step("champion").levers
+    assert champ.quantization == "int4" and champ.speculative["method"] == "eagle"
+    assert plan.step("champion-tp2").levers.tensor_parallel_size == 2
+    assert plan.concurrency[0] == 1 and max(plan.concurrency) == 16
+
+
+def test_full_plan_covers_every_lever():
+    levers = {s.lever for s in full_plan().steps if s.lever}
+    assert levers == {
+        "precision",
+        "kv_cache_dtype",
+        "speculation",
+        "prefix_caching",
+        "tensor_parallel",
+        "batch_policy",
+    }
+
+
+def test_every_step_changes_exactly_one_lever_from_its_parent():
+    for plan in (default_plan(), full_plan()):
+        by = {s.name: s for s in plan.steps}
+        for s in plan.steps[1:]:
+            assert s.levers.changed_levers(by[s.parent].levers) == [s.lever]
+
+
+def test_a_step_changing_two_levers_is_refused():
+    base = Step("baseline", None, None, Levers())
+    two = Step("x", "baseline", "precision", Levers(quantization="int8", kv_cache_dtype="int8"))
+    with pytest.raises(PlanError, match="exactly one lever.*changes precision, kv_cache_dtype"):
+        Plan("bad", [base, two])
+
+
+def test_a_step_changing_nothing_is_refused():
+    with pytest.raises(PlanError, match="changes nothing"):
+        PlanBuilder().step("same", "precision", "bfloat16")
+        Plan("bad", PlanBuilder().step("same", "precision", "bfloat16").steps)
+
+
+def test_unknown_parent_and_duplicate_names_are_refused():
+    base = Step("baseline", None, None, Levers())
+    with pytest.raises(PlanError, match="not an earlier step"):
+        Plan("bad", [base, Step("x", "nope", "precision", Levers(quantization="int8"))])
+    with pytest.raises(PlanError, match="used twice"):
+        Plan("bad", [base, Step("baseline", "baseline", "precision", Levers(quantization="int8"))])
+
+
+def test_a_step_that_mislabels_its_lever_is_refused():
+    base = Step("baseline", None, None, Levers())
+    with pytest.raises(PlanError, match="says it changes 'kv_cache_dtype' but changes 'precision'"):
+        Plan("bad", [base, Step("x", "baseline", "kv_cache_dtype", Levers(quantization="int8"))])
+
+
+def test_toml_plan(tmp_path):
+    f = tmp_path / "p.toml"
+    f.write_text(
+        """
+name = "mine"
+num_prompts = 3
+concurrency = [1, 2]
+[baseline]
+dtype = "float32"
+[[steps]]
+name = "int8"
+precision = "int8"
+[[steps]]
+name = "ng"
+parent = "int8"
+speculation = { method = "ngram", num_speculative_tokens = 4 }
+[[steps]]
+name = "nopc"
+parent = "baseline"
+prefix_caching = false
+"""
+    )
+    plan = load_plan(f)
+    assert plan.name == "mine" and plan.num_prompts == 3 and plan.concurrency == [1, 2]
+    assert plan.steps[0].levers.dtype == "float32"
+    assert plan.step("ng").levers.quantization == "int8"
+    assert plan.step("ng").levers.speculative == {"method": "ngram", "num_speculative_tokens": 4}
+    assert plan.step("nopc").levers.prefix_caching is False
+
+
+def test_yaml_plan_with_two_levers_in_one_step_is_refused(tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text("steps:\n  - name: x\n    precision: int8\n    kv_cache_dtype: int8\n")
+    with pytest.raises(PlanError, match="exactly one lever"):
+        load_plan(f)
+
+
+def test_steps_argument():
+    plan = plan_from_steps_arg(
+        "int8:precision=int8,ng:speculation=ngram/5/adaptive,nopc:prefix_caching=off@baseline"
+    )
+    assert plan.step("ng").levers.speculative == {
+        "method": "ngram",
+        "num_speculative_tokens": 5,
+        "adaptive": True,
+    }
+    assert plan.step("ng").parent == "int8"
+    assert plan.step("nopc").parent == "baseline" and plan.step("nopc").levers.prefix_caching is False
+    with pytest.raises(PlanError, match="NAME:LEVER=VALUE"):
+        plan_from_steps_arg("garbage")
+
+
+def test_study_workload_subset_and_fidelity_prompts(tmp_path):
+    import json
+    from pathlib import Path
+
+    from leverlab.study.runner import fidelity_prompts, prepare_workload
+
+    plan = default_plan()
+    src = Path(__file__).resolve().parents[2] / "models" / "workload.json"
+    wl = prepare_workload(src, plan, tmp_path / "w.json")
+    b = json.loads(wl.read_text())["buckets"]
+    assert list(b) == ["short", "medium", "long", "decode"]
+    assert all(len(v["prompts"]) == 2 for v in b.values())
+    assert b["medium"]["output_len"] == 128 and b["decode"]["output_len"] == 512  # halved, 1:4 kept
+    picked = fidelity_prompts(wl, 4)
+    assert [p["id"].split("-")[0] for p in picked] == ["short", "decode", "medium", "long"]
