@@ -13,8 +13,10 @@ from leverlab.train.model_configs import DRAFT_NAME, TARGET_NAME, draft_config, 
 from leverlab.train.paths import Paths
 from leverlab.train.plot import read_log
 
-RESUME_TARGET = "leverlab train-default --stage target --time-budget-min <TOTAL_MINUTES> --background"
-RESUME_DRAFT = "leverlab train-default --stage draft --draft-budget-min <TOTAL_MINUTES> --background"
+RESUME_TARGET = (
+    "leverlab train-default --stage target --time-budget-min {target_total} --batch-size 4 --background"
+)
+RESUME_DRAFT = "leverlab train-default --stage draft --draft-budget-min {draft_total} --background"
 
 
 def run_summary(run_dir: Path) -> dict:
@@ -29,6 +31,7 @@ def run_summary(run_dir: Path) -> dict:
         "tokens": last.get("tokens", 0),
         "train_minutes": last.get("elapsed_s", 0.0) / 60,
         "tok_per_s_median": statistics.median(rates),
+        "tok_per_s_p90": statistics.quantiles(rates, n=10)[-1] if len(rates) > 1 else rates[0],
         "last_train_loss": train[-1]["loss"] if train else None,
         "last_val_loss": val[-1]["val_loss"] if val else None,
         "settings": starts[-1]["settings"] if starts else {},
@@ -71,10 +74,12 @@ def _training_table(s: dict, data: dict) -> str:
             "| field | value |",
             "|---|---|",
             f"| tokens seen | {s['tokens']:,} ({epochs:.2f} passes over the train stream) |",
-            f"| optimizer steps | {s['steps']:,} of {st.get('batch_size')} x {st.get('seq_len')} tokens |",
-            f"| training time | {s['train_minutes']:.1f} min of step time on `{s['device']}`, {st.get('threads')} threads, "
+            f"| optimizer steps | {s['steps']:,} (latest session: {st.get('batch_size')} x {st.get('seq_len')} tokens per step) |",
+            f"| training time | {s['train_minutes']:.1f} min wall-clock (validation and checkpoints included) on `{s['device']}`, {st.get('threads')} threads, "
             f"{s['sessions']} session(s) |",
-            f"| throughput | median {s['tok_per_s_median']:,.0f} tokens/s (shared 2-core machine: other work ran alongside) |",
+            f"| throughput | {s['tokens'] / max(1.0, s['train_minutes'] * 60):,.0f} tokens/s on average; {s['tok_per_s_p90']:,.0f} tokens/s "
+            f"(90th percentile of logged windows) when the shared 2-core machine was quiet: other engineers' tests "
+            f"and benchmarks ran alongside, and paused the run at times |",
             f"| schedule | AdamW (0.9, 0.95), peak lr {st.get('lr')}, {st.get('warmup_steps')} warm-up steps, cosine over "
             f"the time budget ({st.get('time_budget_min')} min) to {st.get('min_lr_ratio')} x peak, wd {st.get('weight_decay')}, clip {st.get('grad_clip')} |",
         ]
@@ -118,12 +123,14 @@ def _samples_section(ev: dict, n: int = 6) -> str:
         parts.append(f"`{s['source']}` ({mark}):\n\n{_fence(s['prompt'] + s['continuation'])}\n")
     for c in ev.get("chat_samples", []):
         parts.append(
-            f"Chat ({c['kind']}), request:\n\n```\n{c['request']}\n```\n\nresponse:\n\n```\n{c['response']}\n```\n"
+            f"Chat ({c['kind']}), request:\n\n````\n{c['request']}\n````\n\nresponse:\n\n````\n{c['response']}\n````\n"
         )
     return "\n".join(parts)
 
 
-def _reproduce_section() -> str:
+def _reproduce_section(target_min: float = 0.0, draft_min: float = 0.0) -> str:
+    resume_target = RESUME_TARGET.format(target_total=round(target_min + 120))
+    resume_draft = RESUME_DRAFT.format(draft_total=round(draft_min + 30))
     return f"""## Reproduce / resume
 
 ```bash
@@ -137,13 +144,15 @@ with `ckpt.pt` written every 5 minutes and `log.jsonl`). Stages resume from `ckp
 continuing a finished run means a larger budget, then re-export and re-evaluate:
 
 ```bash
-{RESUME_TARGET}
-{RESUME_DRAFT}
+{resume_target}   # {target_min:.1f} min done so far: +2 h
+{resume_draft}   # {draft_min:.1f} min done so far: +30 min
 leverlab train-default --stage export && leverlab train-default --stage card
 ```
 (The learning-rate cosine follows elapsed / budget, so a larger budget raises the rate again from where the old
 schedule ended: a warm restart.) On a machine with CUDA, `--device auto` trains there; `--threads` sets CPU threads.
-Note that `--stage tokenizer` retrains the tokenizer, which invalidates both models and the workload file.
+`--stage tokenizer` keeps an existing tokenizer; with `--no-resume` it retrains it, which invalidates both
+models and the workload file. The checkpoints (`ckpt.pt`, with optimizer state) are not in git: resuming needs the
+`.cache/train/` of the machine that trained; without it, `--stage all` retrains from scratch.
 """
 
 
@@ -214,7 +223,7 @@ boundaries at `<|endoftext|>`). Validation during training used 48 fixed windows
 ## Samples (greedy, held-out function headers; up to 64 new tokens; the prompt is the `def` line)
 
 {_samples_section(ev)}
-{_reproduce_section()}
+{_reproduce_section(ts["train_minutes"], ds["train_minutes"])}
 ## Limitations
 
 A model of this size writes plausible-looking Python with wrong logic; it knows nothing beyond the stdlib's
@@ -250,7 +259,7 @@ train stream as the target; the target ran in bf16 autocast as the teacher. Temp
 to agree with the target's top choice, and a softer target would spend its small capacity on the tail.
 
 {_data_section(data)}
-{_reproduce_section()}"""
+{_reproduce_section(ts["train_minutes"], ds["train_minutes"])}"""
         paths.draft_out.joinpath("README.md").write_text(draft_md)
     write_models_readme(paths, ev)
     print(json.dumps({k: v for k, v in ev.items() if not isinstance(v, list)}, indent=1), flush=True)
