@@ -20,17 +20,22 @@ class DetokState:
 
 
 class Detokenizer:
+    PROMPT_TAIL = 5  # prompt tokens decoded with the output, for context at the boundary
+
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
     def start(self, prompt_ids: list[int]) -> DetokState:
         # Seed the window with the prompt's tail, so the first output token decodes in context
         # (a leading space or a multi-byte character that straddles the boundary).
-        tail = min(len(prompt_ids), 5)
-        return DetokState(prefix_offset=0, read_offset=tail)
+        return DetokState(prefix_offset=0, read_offset=len(self.window(prompt_ids, [])))
+
+    def window(self, prompt_ids: list[int], output_ids: list[int]) -> list[int]:
+        """The ids step() decodes over: the prompt's tail (as seeded by start) + every output id."""
+        return prompt_ids[-self.PROMPT_TAIL :] + output_ids
 
     def step(self, state: DetokState, all_ids: list[int], skip_special: bool) -> str:
-        """all_ids = prompt tail (as seeded by start) + output ids. Returns the newly decoded text."""
+        """all_ids = window(prompt, outputs). Returns the newly decoded text."""
         prefix = self.tokenizer.decode(all_ids[state.prefix_offset : state.read_offset], skip_special_tokens=skip_special)
         full = self.tokenizer.decode(all_ids[state.prefix_offset :], skip_special_tokens=skip_special)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
