@@ -144,7 +144,7 @@ def test_study_workload_subset_and_fidelity_prompts(tmp_path):
     wl = prepare_workload(src, plan, tmp_path / "w.json")
     b = json.loads(wl.read_text())["buckets"]
     assert list(b) == ["short", "medium", "long", "decode"]
-    assert all(len(v["prompts"]) == 2 for v in b.values())
+    assert all(len(v["prompts"]) == 4 for v in b.values())
     assert b["medium"]["output_len"] == 128 and b["decode"]["output_len"] == 512  # halved, 1:4 kept
     picked = fidelity_prompts(wl, 4)
     assert [p["id"].split("-")[0] for p in picked] == ["short", "decode", "medium", "long"]
