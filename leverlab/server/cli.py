@@ -82,7 +82,11 @@ def lever_summary(engine: Any) -> str:
         "execution_mode",
         "device",
     )
-    return f"max_model_len={engine.max_model_len} " + " ".join(f"{k}={getattr(cfg, k, None)}" for k in keys)
+    values = {k: getattr(cfg, k, None) for k in keys}
+    # What the weights are as loaded: a pre-quantized checkpoint (AWQ, GPTQ, `leverlab quantize` output)
+    # carries its method without --quantization.
+    values["quantization"] = getattr(engine, "quantization", None) or values["quantization"]
+    return f"max_model_len={engine.max_model_len} " + " ".join(f"{k}={v}" for k, v in values.items())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -83,3 +83,24 @@ def test_quantize_cli_output_loads_without_requantizing(checkpoint_factory, tmp_
     assert pre.lm_head.quant_method is None and torch.equal(pre.lm_head.weight, at_load.lm_head.weight)
     size = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
     assert size < sum(f.stat().st_size for f in __import__("pathlib").Path(src).glob("*.safetensors"))
+
+
+def test_server_summary_names_the_checkpoints_own_quantization(checkpoint_factory, tmp_path):
+    """A pre-quantized checkpoint served without --quantization: the startup line says what the weights are."""
+    import asyncio
+
+    from leverlab.config import EngineConfig
+    from leverlab.engine.async_engine import AsyncLLM
+    from leverlab.server.cli import lever_summary
+
+    write_quantized(checkpoint_factory("qwen3"), tmp_path / "awq", "awq", group_size=32)
+
+    async def summary() -> str:
+        engine = AsyncLLM(EngineConfig(model=str(tmp_path / "awq"), dtype="float32", num_kv_blocks=8))
+        try:
+            return lever_summary(engine)
+        finally:
+            await engine.shutdown(1.0)
+
+    line = asyncio.run(summary())
+    assert "quantization=awq" in line, line
