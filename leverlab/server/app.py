@@ -215,9 +215,10 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
             logprobs_k=params.logprobs,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             n=params.n,
-            token_text=st.token_text,
+            token_text=R.TokenIdText() if req.return_tokens_as_token_ids else st.token_text,
             tokenize_s=[p.tokenize_s for p in prompts],
             echo=echo,
+            prompt_logprobs_k=params.prompt_logprobs,
         )
         return await _serve(request, st, ctx, prompts, params, req.stream)
 
@@ -419,7 +420,8 @@ def _full_response(ctx: StreamContext, finals: list[RequestOutput]) -> dict[str,
         choices = [R.chat_choice(tt, c, k) for c in finals[0].outputs]
     else:
         choices = [
-            R.completion_choice(tt, c, p * ctx.n + c.index, k, prefix=ctx.echo[p] if ctx.echo else "")
+            R.completion_choice(tt, c, p * ctx.n + c.index, k, prefix=ctx.echo[p] if ctx.echo else "",
+                                prompt=out, prompt_k=ctx.prompt_logprobs_k)
             for p, out in enumerate(finals)
             for c in out.outputs
         ]

@@ -4,7 +4,8 @@ Validation is strict on types (`"5"` is not an integer, `true` is not a number) 
 so a wrong body becomes a 400 that names the field, never an exception deeper in the engine.
 Unknown fields are ignored, as vLLM does, so clients that send extra OpenAI fields (`user`, ...) still work.
 vLLM's extensions are accepted: `top_k`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
-`include_stop_str_in_output`, `skip_special_tokens`, and (chat) `add_generation_prompt`.
+`include_stop_str_in_output`, `skip_special_tokens`, (completions) `prompt_logprobs` and
+`return_tokens_as_token_ids`, and (chat) `add_generation_prompt`.
 Parameters we do not implement (penalties, logit_bias, tools, ...) are refused when set, never ignored.
 """
 
@@ -88,7 +89,8 @@ class _CommonRequest(_Strict):
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         self._refuse_unbuilt()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOP_SEQUENCES:
@@ -112,6 +114,7 @@ class _CommonRequest(_Strict):
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
             )
@@ -133,6 +136,10 @@ class CompletionRequest(_CommonRequest):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    # vLLM extensions: logprobs of the prompt's own tokens (perplexity, drift between configurations), and
+    # tokens shown as "token_id:N" so that a client compares exact ids rather than decoded pieces.
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """max_tokens: the request's, or (when it sent null) the room the context leaves, as vLLM does."""
@@ -140,7 +147,10 @@ class CompletionRequest(_CommonRequest):
             raise BadRequest("suffix is not supported", "suffix")
         if self.echo and self.logprobs is not None:
             raise BadRequest("echo together with logprobs is not supported yet", "echo")
-        return self._sampling_params(max_tokens, self.logprobs)
+        if self.prompt_logprobs is not None and self.stream:
+            raise BadRequest("prompt_logprobs is returned only without streaming; set stream to false",
+                             "prompt_logprobs")
+        return self._sampling_params(max_tokens, self.logprobs, self.prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts: text, or token ids (one list of ints is one prompt)."""

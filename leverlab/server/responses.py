@@ -51,6 +51,33 @@ class TokenText:
         return self._tok.decode([token_id])
 
 
+class TokenIdText:
+    """vLLM's `return_tokens_as_token_ids`: each token shown as "token_id:N" (exact, whatever the tokenizer
+    merges); used in place of TokenText."""
+
+    @staticmethod
+    def text(token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+
+def prompt_logprobs(tt: TokenText, out: RequestOutput, k: int) -> list[dict[str, Any] | None] | None:
+    """vLLM's shape: None for the first prompt token, then per position {"<id>": {"logprob", "rank",
+    "decoded_token"}} holding the prompt's own token and the top k. Rank is 1-based among the top k; null for
+    a prompt token outside them (its true rank is not kept)."""
+    if out.prompt_logprobs is None:
+        return None
+    rows: list[dict[str, Any] | None] = []
+    for pos in out.prompt_logprobs:
+        if pos is None:
+            rows.append(None)
+            continue
+        top = _top(pos, k) if k > 0 else []
+        rank = {tid: r + 1 for r, (tid, _) in enumerate(top)}
+        rows.append({str(tid): {"logprob": _finite(lp), "rank": rank.get(tid), "decoded_token": tt.text(tid)}
+                     for tid, lp in pos.items()})
+    return rows
+
+
 def _top(pos: PositionLogprobs, k: int) -> list[tuple[int, float]]:
     return sorted(pos.items(), key=lambda kv: kv[1], reverse=True)[:k]
 
@@ -125,18 +152,24 @@ def batch_timings(outs: list[RequestOutput], tokenize_s: list[float]) -> dict | 
 
 
 def completion_choice(
-    tt: TokenText, c: CompletionOutput, index: int, k: int | None, prefix: str = ""
+    tt: TokenText, c: CompletionOutput, index: int, k: int | None, prefix: str = "",
+    prompt: RequestOutput | None = None, prompt_k: int | None = None,
 ) -> dict[str, Any]:
+    """`prompt`/`prompt_k`: the request's output and k when the client asked for prompt_logprobs."""
     lp = None
     if k is not None and c.logprobs is not None:
         lp = completion_logprobs(tt, c.token_ids, c.logprobs, k)
-    return {
+    choice = {
         "index": index,
         "text": prefix + c.text,
         "logprobs": lp,
         "finish_reason": c.finish_reason,
         "stop_reason": c.stop_reason,
     }
+    if prompt is not None and prompt_k is not None:
+        choice["prompt_logprobs"] = prompt_logprobs(tt, prompt, prompt_k)
+        choice["prompt_token_ids"] = prompt.prompt_token_ids
+    return choice
 
 
 def chat_choice(tt: TokenText, c: CompletionOutput, k: int | None) -> dict[str, Any]:

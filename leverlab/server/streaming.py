@@ -88,6 +88,7 @@ class StreamContext:
     token_text: R.TokenText
     tokenize_s: list[float]  # server tokenize time, per prompt
     echo: list[str] | None = None  # completions echo: prompt text per prompt
+    prompt_logprobs_k: int | None = None  # completions prompt_logprobs (never streamed)
     on_finished: Callable[[RequestOutput], None] | None = None
     on_aborted: Callable[[], None] | None = None
     # Shutdown: `draining()` turns true at SIGTERM; `stop` is set once the engine has drained, and a stream

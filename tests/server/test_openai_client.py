@@ -103,6 +103,40 @@ def test_completion_logprobs(client):
         assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(chosen, abs=1e-4)
 
 
+
+def test_prompt_logprobs_and_token_ids_match_the_engine(client, checkpoint):
+    """vLLM's prompt_logprobs / return_tokens_as_token_ids extensions, checked against the Python API."""
+    from leverlab import LLM, SamplingParams
+
+    prompt = "def add(a, b):\n    return a + b"
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=1,
+        extra_body={**EXACT, "prompt_logprobs": 2, "return_tokens_as_token_ids": True},
+    )
+    choice = r.choices[0].model_dump()
+    ref = LLM(str(checkpoint), dtype="float32", execution_mode="eager").generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, prompt_logprobs=2))[0]
+    assert choice["prompt_token_ids"] == ref.prompt_token_ids
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in ref.outputs[0].token_ids]
+    plp = choice["prompt_logprobs"]
+    assert len(plp) == len(ref.prompt_token_ids) and plp[0] is None
+    for pos, (got, want, tid) in enumerate(zip(plp[1:], ref.prompt_logprobs[1:], ref.prompt_token_ids[1:])):
+        assert set(got) == {str(t) for t in want}, pos  # the prompt's own token and the top 2
+        assert got[str(tid)]["logprob"] == pytest.approx(want[tid], abs=1e-5)
+        ranks = sorted(e["rank"] for e in got.values() if e["rank"] is not None)
+        assert ranks == [1, 2]
+        best = max(got.values(), key=lambda e: e["logprob"])
+        assert best["rank"] == 1 and best["decoded_token"].startswith("token_id:")
+
+
+def test_prompt_logprobs_refused_when_streaming(server):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True, "prompt_logprobs": 1}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "prompt_logprobs" in r.text
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "prompt_logprobs": 99}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "prompt_logprobs" in r.json()["error"]["message"]
+
 def test_chat(client):
     r = client.chat.completions.create(
         model=MODEL,
