@@ -33,9 +33,10 @@ def kernels():
             # A build killed midway leaves its lock behind, and every later load would wait on it forever.
             log.warning("removing a stale build lock %s", lock)
             lock.unlink(missing_ok=True)
-        return load(name="leverlab_cpu_kernels", sources=[str(SRC / "paged_decode.cpp")], build_directory=str(build),
+        sources = [str(SRC / name) for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp")]
+        return load(name="leverlab_cpu_kernels", sources=sources, build_directory=str(build),
                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                     verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path
-        log.warning("CPU attention kernel unavailable (%s); using the PyTorch path", e)
+        log.warning("CPU kernels unavailable (%s); using the PyTorch path", e)
         return None

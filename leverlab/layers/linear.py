@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from leverlab.layers import bf16_linear
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b). `shards` maps a checkpoint shard id to its (offset, size) rows in the packed W."""
@@ -41,6 +43,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
+        if bf16_linear.wanted(x, self.weight):  # decode-sized bf16 batches on CPU: our streaming kernel
+            return bf16_linear.linear_bf16(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

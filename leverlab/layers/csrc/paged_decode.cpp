@@ -101,7 +101,3 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache");
-}

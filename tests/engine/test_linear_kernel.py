@@ -1,0 +1,50 @@
+"""The AVX-512 BF16 decode linear agrees with aten's bf16 linear: same fp32 accumulation, one rounding."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from leverlab.layers import bf16_linear
+from leverlab.layers.linear import Linear
+
+needs_kernel = pytest.mark.skipif(not bf16_linear.available(), reason="no AVX-512 BF16 kernel on this machine")
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("n,k", [(37, 100), (64, 1024), (203, 96), (9, 31)])  # K and N tails included
+def test_kernel_matches_aten(rows, n, k):
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    exact = F.linear(x.float(), w.float(), b.float())
+    ours = bf16_linear.cpu_kernels.kernels().skinny_linear(x, w, b).float()
+    aten = F.linear(x, w, b).float()
+    # Both accumulate in fp32 and round once to bf16: each is within half a bf16 ulp of the exact product
+    # (plus summation-order noise), so they differ by at most one ulp.
+    ulp = exact.abs().clamp_min(1e-3) * 2**-7
+    assert ((ours - exact).abs() <= ulp).all()
+    assert ((ours - aten).abs() <= ulp).all()
+
+
+@needs_kernel
+def test_linear_layer_uses_it_eager_and_compiled():
+    layer = Linear(96, 40, bias=True).bfloat16()
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    compiled = torch.compile(layer, dynamic=True)
+    for rows in (1, 3, 1):
+        x = torch.randn(rows, 96).bfloat16()
+        ref = F.linear(x, layer.weight, layer.bias)
+        with torch.inference_mode():
+            eager, comp = layer(x), compiled(x)
+        assert torch.allclose(eager.float(), ref.float(), atol=0.05, rtol=0.01)
+        assert torch.equal(eager, comp)
+
+
+def test_float32_and_autograd_keep_aten():
+    layer = Linear(8, 4)
+    assert not bf16_linear.wanted(torch.randn(1, 8), layer.weight)
+    w = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    assert not bf16_linear.wanted(torch.randn(1, 8, dtype=torch.bfloat16), w)
