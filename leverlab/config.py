@@ -6,7 +6,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from leverlab.errors import UnsupportedLever
 from leverlab.quant.registry import check_kv_cache_dtype, check_quantization
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -34,10 +33,10 @@ class EngineConfig:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     speculative_config: dict | None = None
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # > 1: one process per rank (leverlab/distributed, docs/tensor-parallel.md)
     # "compiled": torch.compile fast path (default, cached on disk); "eager": no compilation (tests).
     execution_mode: str = field(default_factory=lambda: os.environ.get("LEVERLAB_EXECUTION_MODE", "compiled"))
-    num_threads: int | None = None  # None: all cores
+    num_threads: int | None = None  # per rank; None: all cores (cores // tensor_parallel_size per rank)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -52,8 +51,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}")
-        if self.tensor_parallel_size != 1:
-            raise UnsupportedLever("--tensor-parallel-size > 1 is not built yet (issue 9)")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        # Whether the model's heads / vocabulary / MLP split over the ranks is checked when it loads
+        # (distributed/parallel_state.py: check_model), with the numbers.
         if self.speculative_config:
             from leverlab.spec.config import SpeculativeConfig
 

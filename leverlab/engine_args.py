@@ -47,10 +47,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default=None)
     g.add_argument("--speculative-config", type=_json_object, default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="ranks (one process each) that split every layer (default 1; docs/tensor-parallel.md)")
     g.add_argument("--execution-mode", choices=("compiled", "eager"), default=None,
                    help="compiled (default: torch.compile, cached on disk) or eager")
-    g.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: by model size)")
+    g.add_argument("--num-threads", type=int, default=None, help="CPU threads per rank (default: by model size, cores // tensor-parallel size)")
     g.add_argument("--seed", type=int, default=None)
 
 

@@ -19,3 +19,7 @@ class EngineDeadError(LeverLabError):
 
 class UnsupportedLever(LeverLabError, ValueError):
     """A lever flag names something not built (yet): refused with a clear message, never ignored."""
+
+
+class TensorParallelError(EngineDeadError):
+    """A tensor-parallel rank died, hung or fell out of step: the engine cannot continue (HTTP 503)."""

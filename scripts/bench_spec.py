@@ -5,6 +5,9 @@ aggregate decode rate is measured for every method in turn (interleaved, so drif
 hits all methods alike). Prints the speedup over no speculation and where it crosses 1.0.
 
     python scripts/bench_spec.py [--model DIR] [--concurrency 1,2,4,8,16] [--max-tokens 128] [--k 4]
+                                 [--eagle HEAD_DIR [--eagle-k 3]] [--threads 1]
+
+EAGLE runs when --eagle is given, or when models/leverlab-code-eagle exists (the bundled model's head).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--execution-mode", default="eager")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--eagle", default=None, help="EAGLE head folder (default: models/leverlab-code-eagle if present)")
+    ap.add_argument("--eagle-k", type=int, default=None, help="drafts per step for eagle (default: --k)")
+    ap.add_argument("--threads", type=int, default=None, help="engine threads (default: the engine's choice)")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_spec.json"))
     args = ap.parse_args()
 
@@ -38,8 +44,14 @@ def main() -> int:
     texts = [p["text"] for p in work["buckets"]["decode"]["prompts"]]
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     methods = {"none": None, f"ngram k={args.k}": ngram, "ngram adaptive": {**ngram, "adaptive": True}}
+    eagle = args.eagle or (str(ROOT / "models" / "leverlab-code-eagle")
+                           if (ROOT / "models" / "leverlab-code-eagle" / "config.json").exists() else None)
+    if eagle:
+        ek = args.eagle_k or args.k
+        methods[f"eagle k={ek}"] = {"method": "eagle", "model": eagle, "num_speculative_tokens": ek}
+        methods["eagle adaptive"] = {**methods[f"eagle k={ek}"], "adaptive": True}
     engines = {name: LLM(args.model, dtype=args.dtype, execution_mode=args.execution_mode, speculative_config=sc,
-                         max_num_seqs=64) for name, sc in methods.items()}
+                         max_num_seqs=64, num_threads=args.threads) for name, sc in methods.items()}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for llm in engines.values():
         llm.generate(texts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))

@@ -119,3 +119,14 @@ def make_checkpoint(path: Path, arch: str = "qwen3", seed: int = 0, shards: bool
                 p.normal_(0.0, 0.05)
     model.save_pretrained(str(path), max_shard_size="40KB" if shards else "10GB", safe_serialization=True)
     return path
+
+
+def make_eagle_head(target: str | Path, out: str | Path, seed: int = 1, std: float = 0.15) -> str:
+    """A randomly initialized EAGLE head for `target` (float32): drafts mostly rejected, which exercises
+    verification and rollback; exactness never depends on the head."""
+    from leverlab.models.config import ModelConfig
+    from leverlab.spec.eagle_head import EagleConfig, EagleHead, init_head, save_head
+
+    head = init_head(EagleHead(EagleConfig.for_target(ModelConfig.from_folder(target))), seed=seed, std=std)
+    save_head(head, out, dtype="float32")
+    return str(out)

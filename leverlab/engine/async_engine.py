@@ -83,7 +83,7 @@ class AsyncLLM:
     # ---- the asyncio face ---------------------------------------------------------------------------
     @property
     def healthy(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        return self._dead is None and self._thread.is_alive() and self.engine.healthy
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:

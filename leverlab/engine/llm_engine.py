@@ -44,14 +44,23 @@ class LLMEngine:
         path = str(config.model or default_model_path())
         self.model_path = path
         self.model_config = ModelConfig.from_folder(path)
-        threads = config.num_threads or _default_threads(self.model_config, config.dtype)
+        tp_size = config.tensor_parallel_size
+        # Per rank: N ranks share the cores (cores // N each) instead of oversubscribing them.
+        threads = config.num_threads or max(1, _default_threads(self.model_config, config.dtype) // tp_size)
         torch.set_num_threads(threads)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         max_len = config.max_model_len or self.model_config.max_position_embeddings
         if max_len > self.model_config.max_position_embeddings:
             raise ValueError(f"--max-model-len {max_len} exceeds the model's "
                              f"max_position_embeddings ({self.model_config.max_position_embeddings})")
-        self.runner = ModelRunner(config, path, max_len)
+        self.tp = None  # tensor parallel (distributed/executor.py): the workers, watched from here
+        if tp_size > 1:
+            from leverlab.distributed.executor import TPExecutor
+
+            self.tp = TPExecutor(config, path, max_len, threads)
+            self.runner = self.tp.runner
+        else:
+            self.runner = ModelRunner(config, path, max_len)
         capacity = self.runner.num_blocks * config.block_size
         windows = self.model_config.layer_windows
         # When every layer slides, a sequence only ever holds about a window of KV, whatever its length.
@@ -83,6 +92,8 @@ class LLMEngine:
             self.proposer = build_proposer(self.spec_config, config, self.max_model_len)
             if hasattr(self.proposer, "check_vocab"):
                 self.proposer.check_vocab(self.model_config.vocab_size)
+            if hasattr(self.proposer, "attach"):  # EAGLE: shares the target's embedding and lm_head
+                self.proposer.attach(self.runner)
             self.counters.update(spec_draft_tokens=0, spec_accepted_tokens=0, spec_verify_steps=0)
         self.adaptive = None
         if self.spec_config is not None and self.spec_config.adaptive:
@@ -169,11 +180,14 @@ class LLMEngine:
 
     # ---- the step loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         if self.proposer is not None:
             self._propose()
         batch = self.scheduler.schedule()
         for seq in batch.preempted:
             self.requests[seq.request_id].metrics.num_preemptions += 1
+            if self.proposer is not None:
+                self.proposer.release(seq)  # the target recomputes it: draft/head KV goes back to the pool
         self.counters["preemptions"] += len(batch.preempted)
         if not batch.seqs:
             return []
@@ -182,14 +196,17 @@ class LLMEngine:
         for seq in batch.seqs:
             m = self.requests[seq.request_id].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
-        t0 = time.perf_counter()
         result = self.runner.execute(batch)
-        if self.adaptive is not None:
-            self.adaptive.observe_step(batch.num_tokens, time.perf_counter() - t0)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         self._record_prompt_logprobs(result.prompt_logits)
         emitted = self._choose_tokens(result)
+        if result.aux is not None and self.proposer is not None:
+            self.proposer.observe(result)  # EAGLE: the features of the positions kept after verification
+        if self.adaptive is not None:
+            # The whole step, drafting and verification included: what speculation costs is not only the
+            # target's extra tokens but the proposer's passes and the per-sequence bookkeeping.
+            self.adaptive.observe_step(batch.num_tokens, time.perf_counter() - t0)
         for seq in batch.seqs:
             self.blocks.commit_full_blocks(seq)  # after the rollback: only accepted tokens are reusable
             if self.window:  # every layer slides: blocks behind the window are never read again
@@ -340,7 +357,18 @@ class LLMEngine:
     def counter_snapshot(self) -> dict[str, float]:
         """Monotonic totals for /metrics and bench results: the engine's and each lever's."""
         per_pos = {f"spec_accepted_pos_{j}": v for j, v in enumerate(self.spec_accepted_per_pos)}
-        return {**self.counters, **self.blocks.stats.as_counters(), **per_pos}
+        tp = self.tp.counters() if self.tp is not None else {}
+        return {**self.counters, **self.blocks.stats.as_counters(), **per_pos, **tp}
+
+    @property
+    def healthy(self) -> bool:
+        """False once a tensor-parallel rank died or hung (the engine cannot step any more)."""
+        return self.tp is None or self.tp.healthy
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (also done at exit); a one-rank engine has nothing to stop."""
+        if self.tp is not None:
+            self.tp.close()
 
     def reset_prefix_cache(self) -> int:
         return self.blocks.reset_prefix_cache()

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from leverlab.config import EngineConfig
+from leverlab.distributed.parallel_state import TPState, local_kv_heads
 from leverlab.engine.scheduler import ScheduledBatch
 from leverlab.engine.sequence import Sequence
 from leverlab.layers.attention import AttentionMetadata, forward_context
 from leverlab.models.loader import DTYPES, load_model
 from leverlab.quant import kv_cache as kv_quant
+from leverlab.spec.eagle_head import aux_layers_for
 
 log = logging.getLogger("leverlab")
 
@@ -42,23 +44,34 @@ class StepLogits:
     rows_per_seq: list[int]
     # (sequence, first target position, logits [k, V]) for prompt-logprob requests
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]]
+    # EAGLE only: the aux layers' outputs [T, A*H] of every computed row, and per sequence (sequence, first
+    # position, first row, rows). After verification only the rows of kept positions are valid.
+    aux: torch.Tensor | None = None
+    aux_spans: list[tuple[Sequence, int, int, int]] | None = None
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: str, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_path: str, max_model_len: int, tp: TPState | None = None,
+                 device: torch.device | None = None):
+        """tp: this rank's tensor-parallel state (None: one rank); the model and KV cache hold its share."""
         self.config = config
-        self.device = pick_device(config.device)
+        self.device = device or pick_device(config.device)
         self.dtype = DTYPES[config.dtype]
-        self.model = load_model(model_path, config.dtype, self.device, config.quantization)
+        self.tp = tp or TPState()
+        self.model = load_model(model_path, config.dtype, self.device, config.quantization, tp)
         self.model_config = self.model.config
+        self.model.aux_layers = aux_layers_for(config)  # EAGLE's feature layers; () without it
         self.block_size = config.block_size
+        # KV heads this rank holds: all of them, or its share under tensor parallelism (parallel_state.py)
+        self.num_kv_heads = local_kv_heads(self.model_config.num_heads, self.model_config.num_kv_heads, self.tp.size)
         self.num_blocks = self._num_blocks(max_model_len)
         cfg = self.model_config
+        self.step_hook = None  # rank 0 at TP > 1: sends each step's inputs to the other ranks (distributed/)
         # Per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]; with --kv-cache-dtype int8/fp8
         # one byte per element plus kv_scales [2, num_blocks, block_size, num_kv_heads] (quant/kv_cache.py).
         self.kv_caches, self.kv_scales = kv_quant.allocate(
             config.kv_cache_dtype, self.dtype, cfg.num_layers, self.num_blocks, self.block_size,
-            cfg.num_kv_heads, cfg.head_dim, self.device)
+            self.num_kv_heads, cfg.head_dim, self.device)
         self.forward = self.model.forward
         if config.execution_mode == "compiled":
             from leverlab.engine.compiled import compile_forward
@@ -78,11 +91,13 @@ class ModelRunner:
             meta = AttentionMetadata(i64(list(range(t))), i64([[0]]), i64([t]), i64([0, t]))
             with forward_context(meta, self.kv_caches, self.kv_scales):
                 hidden = self.forward(i64([1] * t), i64(list(range(t))))
+            if isinstance(hidden, tuple):
+                hidden = hidden[0]
             self.model.compute_logits(hidden[-1:])
 
     def kv_bytes_per_token(self) -> int:
         cfg = self.model_config
-        return kv_quant.bytes_per_token(self.config.kv_cache_dtype, self.dtype, cfg.num_layers, cfg.num_kv_heads,
+        return kv_quant.bytes_per_token(self.config.kv_cache_dtype, self.dtype, cfg.num_layers, self.num_kv_heads,
                                         cfg.head_dim)
 
     def _num_blocks(self, max_model_len: int) -> int:
@@ -127,16 +142,24 @@ class ModelRunner:
         def t(x):
             return torch.tensor(x, dtype=torch.int64, device=self.device)
 
+        rows = sample_rows + [r for (_, _, r0, k) in prompt_rows for r in range(r0, r0 + k)]
+        if self.step_hook is not None:  # tensor parallel: the other ranks run this same step
+            self.step_hook(ids, positions, slots, tables, seq_lens, starts, rows)
         meta = AttentionMetadata(slot_mapping=t(slots), block_tables=t(tables), seq_lens=t(seq_lens),
                                  query_start_loc=t(starts))
         with forward_context(meta, self.kv_caches, self.kv_scales):
             hidden = self.forward(t(ids), t(positions))  # [T, H]
-        rows = sample_rows + [r for (_, _, r0, k) in prompt_rows for r in range(r0, r0 + k)]
+        aux = None
+        if isinstance(hidden, tuple):  # EAGLE: (hidden, aux [T, A*H])
+            hidden, aux = hidden
         # Sampling runs on the host (per-sequence CPU generators): logits are small next to the weights.
         logits = self.model.compute_logits(hidden[t(rows)]).cpu() if rows else torch.empty(0, 0)
         prompt_logits, off = [], len(sample_rows)
         for seq, first, _, k in prompt_rows:
             prompt_logits.append((seq, first, logits[off:off + k]))
             off += k
+        spans = None
+        if aux is not None:
+            spans = [(s, s.num_computed_tokens, starts[i], n) for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))]
         return StepLogits(sample_seqs, logits[: len(sample_rows)], [1 + len(s.spec_token_ids) for s in sample_seqs],
-                          prompt_logits)
+                          prompt_logits, aux, spans)

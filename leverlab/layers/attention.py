@@ -22,6 +22,10 @@ import torch.nn.functional as F
 from leverlab.layers import cpu_kernels
 from leverlab.quant import kv_cache as kv_quant
 
+# Steps whose sequences all have at most this many new tokens (decode: 1; verification: 1 + K) take the C++
+# kernel, which loops over queries one at a time; steps with longer prefill chunks keep SDPA per sequence.
+KERNEL_MAX_SPAN = 16
+
 
 @dataclass
 class AttentionMetadata:
@@ -104,12 +108,16 @@ def attention_impl(
     # ---- end of the hook
     lens = seq_lens.tolist()
     batch = len(lens)
+    starts = query_start_loc.tolist()
 
+    if (k_scale is None and q.device.type == "cpu" and max(e - s for s, e in zip(starts, starts[1:])) <= KERNEL_MAX_SPAN
+            and (kern := cpu_kernels.kernels()) is not None):
+        # Decode and speculative verification (a few queries per sequence): our kernel reads K/V once per
+        # sequence and KV head, in place through the block table, with no gather copies and no per-sequence call.
+        return kern.paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                 window)
     if num_tokens == batch:
         # Decode: one query per sequence, attending over its whole context.
-        if k_scale is None and q.device.type == "cpu" and (kern := cpu_kernels.kernels()) is not None:
-            # Our kernel reads K/V in place through the block table: no gather copies.
-            return kern.paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale, window)
         max_len = max(lens)
         nblocks = -(-max_len // block_size)
         table = block_tables[:, :nblocks]
@@ -134,7 +142,6 @@ def attention_impl(
 
     # Prefill chunks (possibly mixed with decodes): one attention call per sequence.
     out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
     for i, ctx in enumerate(lens):
         s, e = starts[i], starts[i + 1]
         nblocks = -(-ctx // block_size)

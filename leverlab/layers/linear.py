@@ -26,6 +26,7 @@ class Linear(nn.Module):
 
     def load(self, kind: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         """Copy one checkpoint tensor (`kind` is "weight" or "bias") into its rows of the packed parameter."""
+        tensor = self.shard_tensor(kind, tensor, shard)  # tensor parallel: this rank's slice (layers/parallel.py)
         if self.quant_method is not None and self.quant_method.load(self, kind, tensor, shard):
             return  # a pre-quantized tensor (qweight, scales, ...), taken by the method
         param = self.weight if kind == "weight" else self.bias
@@ -39,6 +40,9 @@ class Linear(nn.Module):
             raise ValueError(f"shape mismatch loading {kind}{'/' + shard if shard else ''}: "
                              f"checkpoint {tuple(tensor.shape)} vs model {tuple(target.shape)}")
         target.copy_(tensor)
+
+    def shard_tensor(self, kind: str, tensor: torch.Tensor, shard: str | None) -> torch.Tensor:
+        return tensor  # unsharded: the whole checkpoint tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:

@@ -11,9 +11,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from leverlab.distributed.parallel_state import current as current_tp
+from leverlab.distributed.parallel_state import local_kv_heads
 from leverlab.layers.attention import paged_attention
-from leverlab.layers.linear import Linear, packed
 from leverlab.layers.norm import RMSNorm
+from leverlab.layers.parallel import (
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_linear,
+    qkv_linear,
+)
 from leverlab.layers.rotary import Rotary
 from leverlab.models.config import ModelConfig
 
@@ -22,10 +30,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: Rotary, layer: int):
         super().__init__()
         self.layer = layer
-        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        rows, shards = packed({"q": self.nh * self.hd, "k": self.nkv * self.hd, "v": self.nkv * self.hd})
-        self.qkv_proj = Linear(cfg.hidden_size, rows, bias=cfg.qkv_bias, shards=shards)
-        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size)
+        tp = current_tp().size  # tensor parallel: this rank's heads only (distributed/parallel_state.py)
+        self.nh, self.nkv, self.hd = cfg.num_heads // tp, local_kv_heads(cfg.num_heads, cfg.num_kv_heads, tp), cfg.head_dim
+        self.qkv_proj = qkv_linear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, self.hd, bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * self.hd, cfg.hidden_size)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -46,9 +54,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        rows, shards = packed({"gate": cfg.intermediate_size, "up": cfg.intermediate_size})
-        self.gate_up_proj = Linear(cfg.hidden_size, rows, shards=shards)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up_proj = column_linear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size})
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -72,7 +79,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -92,16 +99,26 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)  # at TP > 1 rank 0 gets all V logits
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T] -> final normed hidden states [T, H]. Runs inside forward_context()."""
+    # EAGLE speculation (spec/eagle_head.py): layers whose outputs forward() also returns. Set before the
+    # forward is compiled; empty (the default) keeps the plain signature.
+    aux_layers: tuple[int, ...] = ()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """input_ids, positions [T] -> final normed hidden states [T, H]; with aux_layers, the pair
+        (hidden [T, H], the aux layers' outputs concatenated [T, len(aux_layers) * H]).
+        Runs inside forward_context()."""
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        aux = []
+        for i, layer in enumerate(self.model.layers):
             x = layer(positions, x)
-        return self.model.norm(x)
+            if i in self.aux_layers:
+                aux.append(x)
+        hidden = self.model.norm(x)
+        return (hidden, torch.cat(aux, dim=-1)) if aux else hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
         return self.lm_head(hidden).float()

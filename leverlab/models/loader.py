@@ -9,7 +9,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from leverlab.distributed.parallel_state import TPState, check_model, use_tp
+from leverlab.errors import UnsupportedLever
 from leverlab.layers.linear import Linear
+from leverlab.layers.parallel import VocabParallelEmbedding
 from leverlab.models.config import ModelConfig
 from leverlab.models.decoder import CausalLM
 from leverlab.quant.base import attach_quant_method, finish_quantization
@@ -40,15 +43,23 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.device = "cpu",
-               quantization: str | None = None) -> CausalLM:
+               quantization: str | None = None, tp: TPState | None = None) -> CausalLM:
     """`quantization`: a --quantization name (quantize at load time); a checkpoint that carries its own
-    quantization_config (AWQ, GPTQ, `leverlab quantize` output) is read in its format whatever it is None."""
+    quantization_config (AWQ, GPTQ, `leverlab quantize` output) is read in its format whatever it is None.
+    `tp`: this rank's tensor-parallel state; the model holds its slice of every weight (None: all of them)."""
     path = Path(path)
     cfg = ModelConfig.from_folder(path)
+    tp_size = tp.size if tp is not None else 1
+    check_model(cfg, tp_size)
     method = resolve_quant_method(path, quantization)
-    with _default_dtype(DTYPES[dtype]), torch.device(device):
+    with _default_dtype(DTYPES[dtype]), torch.device(device), use_tp(tp):
         model = CausalLM(cfg)
-    quantized = attach_quant_method(model, method) if method is not None else []
+    try:
+        quantized = attach_quant_method(model, method) if method is not None else []
+    except ValueError as e:
+        if tp_size == 1:
+            raise
+        raise UnsupportedLever(f"--tensor-parallel-size {tp_size} with {method.name}, on each rank's slice: {e}") from e
     load_weights(model, path)
     finish_quantization(quantized)
     model.quant_method = method
@@ -87,7 +98,7 @@ def _load_one(model, modules, params, name: str, tensor: torch.Tensor, loaded: s
     else:
         shard = None
     module = modules.get(module_name)
-    if isinstance(module, Linear):
+    if isinstance(module, Linear | VocabParallelEmbedding):  # these cut a tensor-parallel slice themselves
         module.load(kind, tensor, shard)
     elif name in params:
         if params[name].shape != tensor.shape:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from leverlab.quant.base import TensorLayout
 from leverlab.quant.int4 import Int4Method
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column AWQ_ORDER[i] of its group of 8
@@ -68,6 +69,12 @@ class AWQMethod(Int4Method):
         # What AutoAWQ writes, so other engines (vLLM, transformers) read our `leverlab quantize` output too.
         return {"quant_method": "awq", "bits": 4, "group_size": self.group_size, "zero_point": True,
                 "version": "gemm", "modules_to_not_convert": None}
+
+    def tensor_layout(self, kind: str) -> TensorLayout | None:
+        g = self.group_size
+        layouts = {"qweight": TensorLayout(1, 8, 0, 1), "qzeros": TensorLayout(1, 8, 0, g),
+                   "scales": TensorLayout(1, 1, 0, g)}
+        return layouts.get(kind) or super().tensor_layout(kind)
 
     def load_packed(self, layer, kind, tensor, shard) -> None:
         if kind == "qweight":  # [in, size/8] -> [size, in]

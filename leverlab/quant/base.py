@@ -20,6 +20,8 @@ by (up to the activation dtype's rounding); the tests hold every method to it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -27,6 +29,22 @@ from torch import nn
 # embeddings stay in the model dtype, as AWQ/GPTQ checkpoints keep them: the tied head is also the input
 # embedding table (a gather, not a matmul), and the head's logits are the most precision-sensitive output.
 QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """Where a checkpoint tensor keeps a layer's output and input features, for tensor-parallel slicing
+    (layers/parallel.py): the dimension (None: not along it) and how many features one element covers
+    (8 for nibbles packed in an int32, the group size for per-group scales and zeros)."""
+
+    out_dim: int | None
+    out_pack: int = 1
+    in_dim: int | None = None
+    in_pack: int = 1
+
+
+# Float checkpoint tensors: weight [out, in], bias [out].
+DEFAULT_LAYOUTS = {"weight": TensorLayout(0, 1, 1, 1), "bias": TensorLayout(0, 1, None, 1)}
 
 
 class QuantMethod:
@@ -46,6 +64,11 @@ class QuantMethod:
     def load(self, layer: nn.Module, kind: str, tensor: torch.Tensor, shard: str | None) -> bool:
         """Take a pre-quantized checkpoint tensor; False lets the layer load `weight`/`bias` as usual."""
         return False
+
+    def tensor_layout(self, kind: str) -> TensorLayout | None:
+        """How checkpoint tensor `kind` lays out the features (None: unknown, refused at TP > 1). Methods
+        that read pre-quantized tensors describe theirs; quantize-at-load methods read float tensors."""
+        return DEFAULT_LAYOUTS.get(kind)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         raise NotImplementedError

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from leverlab.quant.awq import unpack_cols
+from leverlab.quant.base import TensorLayout
 from leverlab.quant.int4 import Int4Method
 
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
@@ -48,6 +49,12 @@ class GPTQMethod(Int4Method):
     def config_dict(self) -> dict:
         return {"quant_method": "gptq", "bits": 4, "group_size": self.group_size, "sym": False,
                 "desc_act": False, "checkpoint_format": "gptq" if self.zero_offset else "gptq_v2"}
+
+    def tensor_layout(self, kind: str) -> TensorLayout | None:
+        g = self.group_size
+        layouts = {"qweight": TensorLayout(1, 1, 0, 8), "qzeros": TensorLayout(1, 8, 0, g),
+                   "scales": TensorLayout(1, 1, 0, g), "g_idx": TensorLayout(None, 1, 0, 1)}
+        return layouts.get(kind) or super().tensor_layout(kind)
 
     def load_packed(self, layer, kind, tensor, shard) -> None:
         if kind == "qweight":  # [in/8, size] -> [size, in]

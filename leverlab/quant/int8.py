@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from leverlab.quant import int8_gemm
-from leverlab.quant.base import QuantMethod, copy_checked, flatten, set_param, shard_rows
+from leverlab.quant.base import QuantMethod, TensorLayout, copy_checked, flatten, set_param, shard_rows
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +65,11 @@ class Int8Method(QuantMethod):
             copy_checked(shard_rows(layer, getattr(layer, kind).data, shard), tensor, f"{kind}/{shard}")
             return True
         return False
+
+    def tensor_layout(self, kind: str) -> TensorLayout | None:
+        # `leverlab quantize` int8: qweight [out, in], scales [out] (a row's scale serves any slice of its inputs)
+        return {"qweight": TensorLayout(0, 1, 1, 1), "scales": TensorLayout(0, 1, None, 1)}.get(kind) or \
+            super().tensor_layout(kind)
 
     def process_weights_after_loading(self, layer) -> None:
         if self.checkpoint:

@@ -1,7 +1,9 @@
 """Adaptive speculation: choose K per sequence and per step (0 included) so speculation pays for itself.
 
 A step that computes T tokens costs about c0 + c1*T: c0 is reading the weights once (what decode is bound
-by), c1 the compute per token, which a CPU pays early. Both are fitted online from measured step times.
+by), c1 the compute per token, which a CPU pays early. Both are fitted online from measured times of whole
+engine steps (drafting, the target's pass and verification), so c1 also carries what each drafted token costs
+the proposer (a draft model's or EAGLE head's passes) and the bookkeeping.
 A sequence whose drafts are accepted with probability a (per position) emits on average
 E(k) = (1 - a^(k+1)) / (1 - a) tokens for k drafts. K values are raised one at a time, where the marginal
 tokens a^(k+1) per marginal cost c1 beat the current tokens per second, so under load (large T) K falls to 0.

@@ -35,6 +35,7 @@ class Proposer(Protocol):
 PROPOSERS = {
     "ngram": "leverlab.spec.ngram:NgramProposer",
     "draft_model": "leverlab.spec.draft_model:DraftModelProposer",
+    "eagle": "leverlab.spec.eagle:EagleProposer",
 }
 
 

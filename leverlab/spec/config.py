@@ -35,9 +35,8 @@ class SpeculativeConfig:
         if cfg.method not in METHODS:
             raise UnsupportedLever(f"--speculative-config method {cfg.method!r} is not one of {list(METHODS)}")
         if cfg.method in ("draft_model", "eagle") and not cfg.model:
-            raise UnsupportedLever(f'speculative method "{cfg.method}" needs "model": the draft model folder')
-        if cfg.method == "eagle":
-            raise UnsupportedLever("speculative method 'eagle' is not built yet (issue 7); 'ngram' and 'draft_model' are")
+            what = "the head folder (leverlab train-eagle)" if cfg.method == "eagle" else "the draft model folder"
+            raise UnsupportedLever(f'speculative method "{cfg.method}" needs "model": {what}')
         if not 1 <= cfg.num_speculative_tokens <= 16:
             raise UnsupportedLever("num_speculative_tokens must be in [1, 16]")
         if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:

@@ -83,6 +83,9 @@ def config_metrics(summary: dict[str, Any], sweep_bucket: str) -> dict[str, Any]
     m["generated"] = _counter(single_d, "generation_tokens")
     m["accepted"] = _counter(single_d, "accepted_tokens", exclude=("pos",))
     m["drafted"] = _counter(single_d, "draft_tokens")
+    # Tensor parallel: seconds rank 0 spent in all-reduces, and its steps (leverlab_engine_tp_*_total).
+    ar, tp_steps = _counter(single_d, "tp_allreduce_seconds"), _counter(single_d, "tp_steps")
+    m["allreduce_s_per_pass"] = ar / tp_steps if ar is not None and tp_steps else None
     m["acceptance_rate"] = (
         (m["accepted"] / m["drafted"]) if m["accepted"] is not None and m["drafted"] else None
     )
@@ -163,6 +166,7 @@ def analyze(out_dir: Path) -> dict[str, Any]:
                     "measured_decode_tok_s": m.get("decode_tok_s"),
                     "generated": m.get("generated"),
                     "accepted": m.get("accepted"),
+                    "allreduce_s_per_pass": m.get("allreduce_s_per_pass"),
                     "generated_load": m.get("generated_cmax"),
                     "accepted_load": m.get("accepted_cmax"),
                     "measured_rps_load": m.get("rps_cmax"),

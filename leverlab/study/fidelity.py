@@ -216,6 +216,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
                 ]
             samples.append(s)
         result["runs"][run["name"]] = {"samples": samples, "seconds": time.perf_counter() - t0}
+        llm.engine.close()  # tensor parallel: stop its workers before the next run starts its own
         del llm
     served = result["runs"]["served"]
     result["samples"] = served["samples"]

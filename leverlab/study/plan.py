@@ -203,7 +203,7 @@ class PlanBuilder:
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 DRAFT_MODEL_DIR = "models/leverlab-code-draft"
-EAGLE_HEAD_DIR = "models/leverlab-code-eagle"  # a trained EAGLE head for the bundled model (not yet trained)
+EAGLE_HEAD_DIR = "models/leverlab-code-eagle"  # the bundled model's EAGLE head (`leverlab train-eagle`)
 
 
 def _reference_steps(b: PlanBuilder, *, full: bool) -> PlanBuilder:

@@ -7,7 +7,9 @@ and produces B * tokens_per_pass tokens, where tokens_per_pass = G / (G - A) fro
 drafts). So:
     roofline decode tok/s (one stream) = tokens_per_pass * bandwidth / bytes_per_pass
     calibrated: a pass costs t_fixed + bytes/bandwidth, with t_fixed fitted once on the baseline's measurement
-    (scheduling, dispatch, sampling, streaming: what a small model on a CPU mostly pays), applied to the rest.
+    (scheduling, dispatch, sampling, streaming: what a small model on a CPU mostly pays), applied to the rest,
+    plus, under tensor parallelism, the all-reduce time per pass the engine measured (tp_allreduce_seconds /
+    tp_steps from its counters) when the configuration ran: bytes alone would promise TP a free split.
 The predicted speedup of a configuration over its parent is the ratio of those rates; the report puts it
 beside the measured ratio and explains large gaps.
 """
@@ -95,7 +97,7 @@ def predict_all(
     configs: list[dict[str, Any]], facts: ModelFacts, bandwidth_gbs: float, context: float, batch: int = 1
 ) -> dict[str, dict[str, Any]]:
     """configs: [{name, parent, levers: Levers, measured_decode_tok_s, generated, accepted}] in plan order,
-    the first being the baseline; optionally generated_load / accepted_load / measured_rps_load (the counters
+    the first being the baseline; optionally allreduce_s_per_pass (measured, tensor parallel); optionally generated_load / accepted_load / measured_rps_load (the counters
     and requests/s at concurrency `batch`). Returns name -> prediction (missing measurements give None).
 
     Under load the model predicts only a ratio against the parent: B sequences share one weight read, so
@@ -116,7 +118,8 @@ def predict_all(
         b = bytes_per_pass(facts, lv, context)
         tpp = tokens_per_pass(c.get("generated"), c.get("accepted"))
         roof = tpp * bw / b
-        calibrated = tpp / (t_fixed + b / bw) if t_fixed is not None else None
+        t_comm = c.get("allreduce_s_per_pass") or 0.0  # measured all-reduce seconds per pass (TP only)
+        calibrated = tpp / (t_fixed + b / bw + t_comm) if t_fixed is not None else None
         meas = c.get("measured_decode_tok_s")
         p = {
             "bytes_per_pass": b,
@@ -127,6 +130,7 @@ def predict_all(
             "calibrated_tok_s": calibrated,
             "t_fixed_ms": None if t_fixed is None else t_fixed * 1e3,
             "t_bytes_ms": b / bw * 1e3,
+            "t_allreduce_ms": t_comm * 1e3 if c.get("allreduce_s_per_pass") is not None else None,
             "measured_decode_tok_s": meas,
             "roofline_share": (meas / roof) if meas else None,
         }
@@ -184,6 +188,13 @@ def explain_gap(p: dict[str, Any], lever: str | None) -> str | None:
             notes.append(
                 f"speedup {ms:.2f}x against {ps:.2f}x predicted: the quantized matmuls unpack and rescale "
                 "weights on the fly, which costs compute the bandwidth model does not count"
+            )
+        elif lever == "tensor_parallel" and ms < ps:
+            ar = p.get("t_allreduce_ms")
+            notes.append(
+                f"speedup {ms:.2f}x against {ps:.2f}x predicted: on one CPU the ranks share one memory system, so "
+                "splitting the weights adds no bandwidth"
+                + (f", and each pass spends {ar:.2f} ms in all-reduces" if ar else "")
             )
         elif lever == "speculation" and ms < ps:
             notes.append(

@@ -101,7 +101,9 @@ def train(
     s: TrainSettings,
     resume: bool = True,
     on_checkpoint: Callable[[], None] | None = None,
+    evaluate: Callable[[torch.nn.Module, np.ndarray, torch.device], float] | None = None,
 ) -> dict:
+    """`evaluate(model, val windows, device)`: the validation loss; next-token CE (evaluate_loss) unless given."""
     torch.set_num_threads(s.threads)
     device = pick_device(s.device)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -133,7 +135,7 @@ def train(
     budget_s = s.time_budget_min * 60
 
     def checkpoint(final: bool = False) -> float:
-        val = evaluate_loss(model, val_win, device)
+        val = (evaluate or evaluate_loss)(model, val_win, device)
         rec = {"event": "val", **state, "val_loss": val, "val_ppl": math.exp(val), "final": final}
         _log(run_dir, rec)
         print(

@@ -24,3 +24,28 @@ def test_kernel_matches_pytorch_path(monkeypatch, dtype, tol, window):
     monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
     ref = attention_impl(q, k, v, kc.clone(), vc.clone(), *args, window=window)
     assert torch.allclose(ours.float(), ref.float(), atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("window", [0, 3])
+def test_kernel_matches_pytorch_path_for_query_spans(monkeypatch, dtype, tol, window):
+    """Verification steps: 1 + K queries per sequence, causal within the span, mixed with plain decodes."""
+    if cpu_kernels.kernels() is None:
+        pytest.skip("no C++ compiler here: the engine uses the PyTorch path")
+    g = torch.Generator().manual_seed(1)
+    nb, bs, kvh, d, h = 40, 4, 2, 32, 6
+    lens = torch.tensor([1, 9, 13, 5, 16, 4])
+    spans = [1, 4, 5, 1, 3, 4]  # queries per sequence: the last `span` positions of its context
+    b, t = len(lens), sum(spans)
+    kc, vc = (torch.randn(nb, bs, kvh, d, generator=g).to(dtype) for _ in range(2))
+    tables = torch.stack([torch.randperm(nb, generator=g)[:4] for _ in range(b)])
+    q = torch.randn(t, h, d, generator=g).to(dtype)
+    k, v = (torch.randn(t, kvh, d, generator=g).to(dtype) for _ in range(2))
+    slots = torch.tensor([int(tables[i, p // bs]) * bs + p % bs
+                          for i in range(b) for p in range(int(lens[i]) - spans[i], int(lens[i]))])
+    qsl = torch.tensor([0, *torch.tensor(spans).cumsum(0).tolist()])
+    args = (slots, tables, lens, qsl, 0.3)
+    ours = attention_impl(q, k, v, kc.clone(), vc.clone(), *args, window=window)
+    monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+    ref = attention_impl(q, k, v, kc.clone(), vc.clone(), *args, window=window)
+    assert torch.allclose(ours.float(), ref.float(), atol=tol, rtol=0)

@@ -102,11 +102,12 @@ def test_rejection_sampling_follows_target_distribution():
     assert torch.all((freq - p).abs() < 4 * torch.sqrt(p * (1 - p) / n)), freq
 
 
-def test_unbuilt_methods_are_refused():
+def test_speculative_config_is_checked():
     from leverlab.config import EngineConfig
 
-    with pytest.raises(UnsupportedLever, match="not built yet"):
-        EngineConfig(model="x", speculative_config={"method": "eagle", "model": "h"})
+    EngineConfig(model="x", speculative_config={"method": "eagle", "model": "h"})  # built (tests/engine/test_eagle.py)
+    with pytest.raises(UnsupportedLever, match="needs \"model\""):
+        EngineConfig(model="x", speculative_config={"method": "eagle"})
     with pytest.raises(UnsupportedLever, match="needs \"model\""):
         EngineConfig(model="x", speculative_config={"method": "draft_model"})
     with pytest.raises(UnsupportedLever, match="unknown keys"):

@@ -1,7 +1,11 @@
 """Levers through the server: prefix-cache counters and the admin reset, speculative decoding counters."""
 
+import json
+
 import httpx
 from openai import OpenAI
+
+from tests.checkpoints import make_eagle_head
 
 PREFIX = list(range(20, 60))  # 40 tokens: two full 16-token blocks shared by every request
 
@@ -38,4 +42,22 @@ def test_speculative_decoding_through_the_server(start_server, server):
     m = spec.metrics()
     assert m["leverlab_engine_spec_draft_tokens_total"] > 0
     assert m["leverlab_engine_spec_accepted_tokens_total"] <= m["leverlab_engine_spec_draft_tokens_total"]
+    spec.stop()
+
+
+def test_eagle_through_the_server(start_server, server, checkpoint, tmp_path):
+    head = make_eagle_head(checkpoint, tmp_path / "head")
+    spec = start_server("--speculative-config",
+                        json.dumps({"method": "eagle", "model": head, "num_speculative_tokens": 3}))
+    prompts = [[5, 6, 7, 8] * 5, list(range(30, 50))]
+    outs = []
+    for srv in (server, spec):
+        client = OpenAI(base_url=srv.url + "/v1", api_key="x")
+        model = client.models.list().data[0].id
+        r = client.completions.create(model=model, prompt=prompts, max_tokens=16, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        outs.append(sorted((c.index, c.text) for c in r.choices))
+    assert outs[0] == outs[1]
+    m = spec.wait_idle()
+    assert m["leverlab_engine_spec_draft_tokens_total"] > 0 and m["leverlab_kv_blocks_used"] == 0
     spec.stop()

@@ -31,11 +31,12 @@ def test_leverlab_flags():
 def test_leverlab_refusals_come_from_the_engine_config_then_the_draft_folder():
     e = get_engine("leverlab")
     assert e.unsupported(Levers(tensor_parallel_size=2)) == {}
-    assert "not built yet" in e.precheck("m", Levers(tensor_parallel_size=2))
+    assert e.precheck("m", Levers(tensor_parallel_size=2)) is None  # built (issue 9): a TP step runs
+    assert "tensor_parallel_size must be a positive integer" in e.precheck("m", Levers(tensor_parallel_size=0))
     assert e.precheck("m", Levers(speculative=NGRAM)) is None
     msg = e.precheck("m", Levers(speculative={"method": "draft_model", "model": "models/no-such-draft"}))
     assert "does not exist" in msg
-    assert not e.runnable("m", Levers(tensor_parallel_size=2)) and e.runnable("m", Levers())
+    assert not e.runnable("m", Levers(tensor_parallel_size=0)) and e.runnable("m", Levers(tensor_parallel_size=2))
 
 
 def test_refusal_message_is_the_engines_line():

@@ -106,3 +106,16 @@ def test_load_prediction_is_a_ratio_of_tokens_per_byte_at_the_batch():
     b16 = bytes_per_pass(FACTS, Levers(), 100, 16)
     b16_8 = bytes_per_pass(FACTS, Levers(quantization="int8"), 100, 16)
     assert p["int8"]["predicted_load_speedup_vs_parent"] == pytest.approx(b16 / b16_8)
+
+
+def test_tensor_parallel_prediction_pays_the_measured_allreduce():
+    bw = 10.0
+    base = {"name": "base", "parent": None, "levers": Levers(), "measured_decode_tok_s": 1000.0}
+    tp = {"name": "tp2", "parent": "base", "levers": Levers(tensor_parallel_size=2), "measured_decode_tok_s": 500.0}
+    free = predict_all([base, tp], FACTS, bw, context=0)["tp2"]
+    paid = predict_all([base, {**tp, "allreduce_s_per_pass": 0.5e-3}], FACTS, bw, context=0)["tp2"]
+    assert free["t_allreduce_ms"] is None and paid["t_allreduce_ms"] == pytest.approx(0.5)
+    t_fixed = free["t_fixed_ms"] / 1e3
+    assert paid["calibrated_tok_s"] == pytest.approx(1 / (t_fixed + 1_200_000 / 10e9 + 0.5e-3))
+    assert paid["predicted_speedup_vs_parent"] < free["predicted_speedup_vs_parent"]
+    assert "all-reduces" in paid["gap"]

@@ -96,6 +96,6 @@ class LeverLabEngine(Engine):
             "kv_cache_dtype": "--kv-cache-dtype int8|fp8",
             "speculation": "--speculative-config (the engine refuses methods not built yet)",
             "prefix_caching": "--enable-prefix-caching / --no-enable-prefix-caching",
-            "tensor_parallel": "--tensor-parallel-size (refused while not built)",
+            "tensor_parallel": "--tensor-parallel-size (one process per rank, cores // size threads each)",
             "batch_policy": "--max-num-seqs",
         }

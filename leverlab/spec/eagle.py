@@ -1,0 +1,253 @@
+"""EAGLE proposer: a one-layer head drafts from the target's own hidden states (spec/eagle_head.py).
+
+Per target sequence the head keeps a shadow (its own paged KV in its own block pool, parallel degree 1) and
+the fused features of target positions it has not consumed yet. Head row r sits at target position
+start + r, where `start` is the first position whose features the target computed for this sequence: a
+prefix-cache hit skips the target's compute for the cached prompt positions, so the head's context simply
+begins after them (acceptance may dip on such prompts; correctness never depends on the head).
+
+Flow each step:
+  observe(result)  after verification: keep the aux rows of positions the target kept (accepted tokens
+                   only), fused by the head's fc into [n, H] features, as pending rows
+  propose(...)     one batched head pass consumes every pending row (lazy prefill of the head's KV, merged
+                   with the first draft), then one pass per further draft, feeding the head's own output
+                   hidden state as the feature; draft rows are never counted as computed, so the next
+                   catch-up overwrites them with rows built from the target's real features.
+Invariant: start + shadow.num_computed_tokens + n_pending == the next target position to receive features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from leverlab.engine.block_manager import BlockManager
+from leverlab.engine.model_runner import pick_device
+from leverlab.engine.sampler import probabilities
+from leverlab.engine.sequence import Sequence
+from leverlab.errors import UnsupportedLever
+from leverlab.layers.attention import AttentionMetadata, forward_context
+from leverlab.models.loader import DTYPES
+from leverlab.spec.base import Draft
+from leverlab.spec.eagle_head import load_head
+
+
+@dataclass(eq=False)
+class _State:
+    shadow: Sequence  # head KV accounting: block table; num_computed_tokens = head rows with valid KV
+    start: int  # target position of head row 0
+    pending: list[torch.Tensor] = field(default_factory=list)  # fused features [n, H], in position order
+    n_pending: int = 0
+
+    @property
+    def next_position(self) -> int:
+        return self.start + self.shadow.num_computed_tokens + self.n_pending
+
+
+class EagleProposer:
+    cheap = False
+
+    def __init__(self, head, path: str, engine_config):
+        self.head, self.path, self.engine_config = head, path, engine_config
+        self.device = next(head.parameters()).device
+        self.dtype = next(head.parameters()).dtype
+        self.target = None  # the target CausalLM (embedding and lm_head are shared): set by attach()
+        self.own_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # (embedding, lm_head) at TP > 1
+        self.blocks: BlockManager | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.states: dict[int, _State] = {}  # by target sequence id
+
+    @classmethod
+    def from_config(cls, spec, engine_config, max_model_len: int) -> EagleProposer:
+        head = load_head(spec.model, DTYPES[engine_config.dtype], pick_device(engine_config.device))
+        return cls(head, spec.model, engine_config)
+
+    def attach(self, runner) -> None:
+        """Share the target's embedding and lm_head; size the head's KV pool like the target's."""
+        cfg = self.head.config
+        cfg.check_target(runner.model_config, self.path)
+        if tuple(runner.model.aux_layers) != tuple(cfg.aux_layer_ids):
+            raise UnsupportedLever(f"target returns aux layers {runner.model.aux_layers}, head {self.path} "
+                                   f"expects {cfg.aux_layer_ids}")
+        self.target = runner.model
+        if getattr(getattr(runner, "tp", None), "size", 1) > 1:
+            # The target's embedding and lm_head are sharded, and using them takes every rank's part in a
+            # collective: the head (rank 0 only) reads its own full copy from the checkpoint instead.
+            self.own_weights = _load_embedding_and_lm_head(self.engine_config, self.dtype, self.device)
+        bs = runner.block_size
+        # As many tokens as the target's pool, plus headroom for the K - 1 draft rows of each sequence.
+        num_blocks = runner.num_blocks + self.engine_config.max_num_seqs
+        self.blocks = BlockManager(num_blocks, bs, enable_prefix_caching=False)
+        self.kv_caches = [torch.zeros(2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype,
+                                      device=self.device)]
+
+    def release(self, seq: Sequence) -> None:
+        st = self.states.pop(seq.seq_id, None)
+        if st is not None:
+            self.blocks.release(st.shadow)
+
+    # ---- features in -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def observe(self, result) -> None:
+        """After verification: take the aux rows of the positions each sequence kept."""
+        picks: list[torch.Tensor] = []
+        owners: list[tuple[_State, int]] = []
+        for seq, first, row0, n in result.aux_spans:
+            keep = min(n, seq.num_computed_tokens - first)  # rejected drafts' rows are dropped
+            st = self.states.get(seq.seq_id)
+            if st is not None and first > st.next_position:  # a gap: features missing, start over here
+                self.release(seq)
+                st = None
+            if st is None:
+                shadow = Sequence(seq.seq_id, seq.request_id, seq.index, [], seq.params, _generator(seq))
+                st = self.states[seq.seq_id] = _State(shadow, first)
+            skip = st.next_position - first  # rows the head already has (never after a release)
+            if keep > skip:
+                picks.append(torch.arange(row0 + skip, row0 + keep))
+                owners.append((st, keep - skip))
+        if not picks:
+            return
+        fused = self.head.fuse(result.aux[torch.cat(picks).to(result.aux.device)].to(self.dtype))  # [N, H]
+        for (st, n), chunk in zip(owners, fused.split([n for _, n in owners])):
+            st.pending.append(chunk)
+            st.n_pending += n
+
+    # ---- drafting ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        drafts = [Draft([]) for _ in seqs]
+        active: list[tuple[int, Sequence, _State, int]] = []
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            st = self.states.get(seq.seq_id)
+            # Features must reach the last computed position (seq.num_tokens - 2): its row drafts token 1.
+            if k <= 0 or st is None or not st.n_pending or st.next_position != seq.num_tokens - 1:
+                continue
+            rows = st.shadow.num_computed_tokens + st.n_pending + k - 1  # the k - 1 fed-back drafts too
+            if not self.blocks.can_grow(st.shadow, rows):
+                continue  # the head's pool is full: no drafts for this sequence this step
+            self.blocks.grow(st.shadow, rows)
+            active.append((i, seq, st, k))
+        if not active:
+            return drafts
+        # Pass 0: every pending row (the head's lazy prefill), whose last row drafts the first token.
+        ids, positions, feats, spans = [], [], [], []
+        for _, seq, st, _ in active:
+            done, n = st.shadow.num_computed_tokens, st.n_pending
+            p0 = st.start + done
+            ids += _tokens(seq, p0 + 1, p0 + n + 1)  # the row at position p reads the token at p + 1
+            positions += range(p0, p0 + n)
+            feats += st.pending
+            spans.append((st.shadow, done, n))
+            st.shadow.num_computed_tokens += n
+            st.pending, st.n_pending = [], 0
+        hidden = self._run(spans, ids, positions, torch.cat(feats))
+        last = torch.tensor([sum(n for _, _, n in spans[: j + 1]) - 1 for j in range(len(spans))])
+        h = hidden[last.to(hidden.device)]  # [B, H]
+        probs: dict[int, list[torch.Tensor]] = {}
+        step = 0
+        while True:
+            toks = self._pick(h, active, drafts, probs)
+            step += 1
+            keep = [j for j, (_, _, _, k) in enumerate(active) if k > step]
+            if not keep:
+                break
+            active = [active[j] for j in keep]
+            h = h[torch.tensor(keep, device=h.device)]
+            # Draft row: the token just drafted, with the head's own output standing in for the feature.
+            spans, positions = [], []
+            for _, _, st, _ in active:
+                row = st.shadow.num_computed_tokens + step - 1  # uncounted: the next catch-up overwrites it
+                spans.append((st.shadow, row, 1))
+                positions.append(st.start + row)
+            h = self._run(spans, [toks[j] for j in keep], positions, h)
+        for i, qs in probs.items():
+            drafts[i].probs = torch.stack(qs)
+        return drafts
+
+    def _pick(self, h, active, drafts, probs) -> list[int]:
+        """Draft one token per active sequence from the head's hidden states h [B, H]."""
+        logits = self._logits(self.head.norm(h)).cpu()  # [B, V] float32, through the target's lm_head
+        greedy = logits.argmax(dim=-1).tolist()
+        toks = []
+        for row, (i, seq, st, _) in enumerate(active):
+            if seq.params.greedy:
+                tok = greedy[row]
+            else:
+                q = probabilities(logits[row], seq.params)
+                tok = int(torch.multinomial(q, 1, generator=st.shadow.generator))
+                probs.setdefault(i, []).append(q)
+            drafts[i].tokens.append(tok)
+            toks.append(tok)
+        return toks
+
+    def _run(self, spans, ids: list[int], positions: list[int], features: torch.Tensor) -> torch.Tensor:
+        """One head pass. spans: (shadow, first row, rows) per sequence, rows flattened in that order."""
+        bs = self.blocks.block_size
+        slots, starts, lens = [], [0], []
+        for shadow, first, n in spans:
+            table = shadow.block_table
+            slots += [table[r // bs] * bs + r % bs for r in range(first, first + n)]
+            starts.append(starts[-1] + n)
+            lens.append(first + n)
+        width = max(len(s.block_table) for s, _, _ in spans)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s, _, _ in spans]
+
+        def t(x):
+            return torch.tensor(x, dtype=torch.int64, device=self.device)
+
+        meta = AttentionMetadata(slot_mapping=t(slots), block_tables=t(tables), seq_lens=t(lens),
+                                 query_start_loc=t(starts))
+        embeds = self._embed(t(ids))
+        with forward_context(meta, self.kv_caches):
+            return self.head(t(positions), embeds, features)
+
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.own_weights is not None:
+            return F.embedding(ids, self.own_weights[0])
+        return self.target.model.embed_tokens(ids)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.own_weights is not None:
+            return F.linear(hidden, self.own_weights[1]).float()
+        return self.target.compute_logits(hidden)
+
+
+def _load_embedding_and_lm_head(engine_config, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's full embedding table and output head [V, H] from its checkpoint (tied: one tensor)."""
+    from safetensors import safe_open
+
+    from leverlab.config import default_model_path
+    from leverlab.models.loader import checkpoint_files
+
+    path = Path(engine_config.model or default_model_path())
+    found: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in ("model.embed_tokens.weight", "lm_head.weight"):
+                if name in f.keys():
+                    found[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    embed = found["model.embed_tokens.weight"]
+    return embed, found.get("lm_head.weight", embed)
+
+
+def _tokens(seq: Sequence, start: int, end: int) -> list[int]:
+    """seq's tokens [start, end) (prompt then output) without copying the whole sequence."""
+    prompt, n = seq.prompt_token_ids, len(seq.prompt_token_ids)
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return seq.output_token_ids[start - n : end - n]
+    return prompt[start:] + seq.output_token_ids[: end - n]
+
+
+def _generator(seq: Sequence) -> torch.Generator | None:
+    """The head's own RNG for sampled drafts: seeded from the request's seed, so a seed reproduces."""
+    if seq.params.greedy:
+        return None
+    seed = seq.params.seed
+    seed = (seed ^ 0xEA61E) + seq.index if seed is not None else int(torch.randint(0, 2**62, (1,)))
+    return torch.Generator().manual_seed(seed)

@@ -1,0 +1,93 @@
+"""Weight sharding at load time, without processes: a model loaded as rank r of 2 holds exactly its slice of
+what TP=1 holds, for float weights, quantize-at-load methods and pre-quantized AWQ / GPTQ checkpoints.
+(Loading needs no communication; the forward does, and test_tensor_parallel.py runs it.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leverlab.distributed.parallel_state import TPState
+from leverlab.errors import UnsupportedLever
+from leverlab.layers.linear import Linear
+from leverlab.models.loader import load_model
+from tests.quant.formats import write_quantized
+
+TP = 2
+
+
+def ranks(path, **kw):
+    return [load_model(path, "float32", tp=TPState(rank=r, size=TP), **kw) for r in range(TP)]
+
+
+def weight(module) -> torch.Tensor:
+    return module.quant_method.dequantize(module) if module.quant_method is not None else module.weight.float()
+
+
+def expected_slice(full: torch.Tensor, name: str, cfg, rank: int) -> torch.Tensor:
+    """Rank `rank`'s part of a TP=1 [out, in] weight (qwen3 tiny: 4 query heads, 2 KV heads)."""
+    hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    if name.endswith("qkv_proj"):
+        q, k, v = full.split([nh * hd, nkv * hd, nkv * hd])
+        return torch.cat([part.chunk(TP)[rank] for part in (q, k, v)])
+    if name.endswith("gate_up_proj"):
+        return torch.cat([part.chunk(TP)[rank] for part in full.chunk(2)])
+    if name.endswith(("o_proj", "down_proj")):
+        return full.chunk(TP, dim=1)[rank]
+    if name == "lm_head":
+        return full.chunk(TP)[rank]
+    raise AssertionError(name)
+
+
+def check_shards(path, exact: bool = True, **kw) -> int:
+    full = load_model(path, "float32", **kw)
+    fulls = {n: m for n, m in full.named_modules() if isinstance(m, Linear)}
+    n = 0
+    for rank, model in enumerate(ranks(path, **kw)):
+        emb = full.model.embed_tokens.weight.chunk(TP)[rank]
+        assert torch.equal(model.model.embed_tokens.weight, emb)
+        for name, module in model.named_modules():
+            if not isinstance(module, Linear):
+                continue
+            want = expected_slice(weight(fulls[name]), name, full.config, rank)
+            got = weight(module)
+            if exact or module.in_slice is None:  # whole rows (column-parallel): the same scales as TP=1
+                assert torch.equal(got, want), name
+            else:  # per-row scales from half a row (row-parallel): both within half a TP=1 step of the float
+                step = weight(fulls[name]).abs().amax(dim=1, keepdim=True) / 127  # o/down: every row is here
+                assert ((got - want).abs() <= step * 1.001).all(), name
+            n += 1
+    return n
+
+
+def test_float_weights_split_by_heads_mlp_and_vocab(checkpoint_factory):
+    assert check_shards(checkpoint_factory("qwen3")) == TP * (4 * 2 + 1)  # 4 per layer + the head
+
+
+@pytest.mark.parametrize("method", ["int4", "int4-g32"])
+def test_int4_quantizes_each_slice_like_tp1(checkpoint_factory, method):
+    # groups of 32 or 64 inputs never straddle the halves: identical weights
+    check_shards(checkpoint_factory("qwen3"), quantization=method)
+
+
+def test_int8_row_parallel_scales_from_half_rows(checkpoint_factory):
+    check_shards(checkpoint_factory("qwen3"), exact=False, quantization="int8")
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_prequantized_packed_tensors_split(checkpoint_factory, tmp_path, fmt):
+    write_quantized(checkpoint_factory("qwen3"), tmp_path / fmt, fmt, group_size=32)
+    check_shards(tmp_path / fmt)
+
+
+def test_refuses_splits_off_group_boundaries(checkpoint_factory, tmp_path):
+    # llama tiny: o_proj reads 4 heads x 16 = 64 inputs, one group of 64; a rank's 32 are not a whole group
+    write_quantized(checkpoint_factory("llama"), tmp_path / "awq", "awq", group_size=64)
+    with pytest.raises(UnsupportedLever, match="tensor-parallel-size 2 .*group size 64"):
+        ranks(tmp_path / "awq")
+
+
+def test_refuses_gptq_act_order_row_split(checkpoint_factory, tmp_path):
+    write_quantized(checkpoint_factory("qwen3"), tmp_path / "gptq", "gptq", group_size=32, act_order=True)
+    with pytest.raises(UnsupportedLever, match="desc_act"):
+        ranks(tmp_path / "gptq")

@@ -1,0 +1,62 @@
+"""`leverlab serve --tensor-parallel-size 2`: served through the official client, and a killed worker becomes an
+error for the request in flight and a failing /health, within seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+MODEL = "tiny-qwen3"
+
+
+def worker_pids(server_pid: int) -> list[int]:
+    """The server's tensor-parallel worker processes (its multiprocessing spawn children)."""
+    pids = []
+    for task in Path(f"/proc/{server_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+            if b"spawn_main" in cmd:
+                pids.append(int(child))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def tp_server(start_server):
+    return start_server("--tensor-parallel-size", "2")
+
+
+def test_serves_through_openai_client(tp_server):
+    client = openai.OpenAI(base_url=tp_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    r = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+    m = tp_server.wait_idle()
+    assert m["leverlab_kv_blocks_used"] == 0
+    assert m["leverlab_engine_tp_steps_total"] >= 6
+    assert m["leverlab_engine_tp_allreduce_seconds_total"] > 0
+
+
+def test_killed_worker_fails_request_and_health(start_server):
+    server = start_server("--tensor-parallel-size", "2")
+    (pid,) = worker_pids(server.proc.pid)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    stream = client.completions.create(model=MODEL, prompt="hello", max_tokens=480, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))  # in flight
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError, match="died"):
+        for _ in stream:
+            pass
+    assert time.monotonic() - t0 < 10
+    deadline = time.monotonic() + 10
+    while httpx.get(server.url + "/health", timeout=5).status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert httpx.get(server.url + "/health", timeout=5).status_code != 200
+    server.stop()
