@@ -42,14 +42,23 @@ def wanted(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dim() == 2 and not (x.requires_grad or weight.requires_grad) and available())
 
 
-@torch.library.custom_op("leverlab::linear_bf16", mutates_args=())
-def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, in] bf16, weight [out, in] bf16 -> [T, out]: our kernel for T <= MAX_ROWS, aten's otherwise."""
     if x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.stride(-1) == 1 and weight.is_contiguous():
         return cpu_kernels.kernels().skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
+linear_bf16 = torch.library.custom_op("leverlab::linear_bf16", _linear, mutates_args=())
+
+
 @linear_bf16.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The op inside a compiled graph; a direct call in eager mode, where the custom op's dispatch costs
+    ~7 us per call (measured: 9.9 against 3.1 us for a one-row 384x384 call), ~0.3 ms of the bundled model's
+    3.4 ms eager decode step (41 linears)."""
+    return linear_bf16(x, weight, bias) if torch.compiler.is_compiling() else _linear(x, weight, bias)
