@@ -75,8 +75,8 @@ def _training_table(s: dict, data: dict) -> str:
             "|---|---|",
             f"| tokens seen | {s['tokens']:,} ({epochs:.2f} passes over the train stream) |",
             f"| optimizer steps | {s['steps']:,} (latest session: {st.get('batch_size')} x {st.get('seq_len')} tokens per step) |",
-            f"| training time | {s['train_minutes']:.1f} min wall-clock (validation and checkpoints included) on `{s['device']}`, {st.get('threads')} threads, "
-            f"{s['sessions']} session(s) |",
+            f"| training time | {s['train_minutes']:.1f} min wall-clock (validation and checkpoints included) on `{s['device']}` "
+            f"(latest session: {st.get('threads')} thread(s)), {s['sessions']} session(s) |",
             f"| throughput | {s['tokens'] / max(1.0, s['train_minutes'] * 60):,.0f} tokens/s on average; {s['tok_per_s_p90']:,.0f} tokens/s "
             f"(90th percentile of logged windows) when the shared 2-core machine was quiet: other engineers' tests "
             f"and benchmarks ran alongside, and paused the run at times |",
