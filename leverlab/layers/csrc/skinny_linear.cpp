@@ -15,6 +15,12 @@ bool has_skinny_linear() { return true; }
 
 namespace {
 
+// Software prefetch distance, in weight elements (8 KB ahead on each streamed row). The hardware prefetcher
+// alone kept too few misses in flight with 2..4 streamed rows: measured on one core over a 0.9 GB stack
+// (scripts/bench_linear.py), 2 and 4 activation rows went from 18.5 and 12.8 GB/s to 23.7 and 24.8 GB/s.
+// Prefetching past a row's end is harmless (prefetches never fault).
+constexpr int64_t kPrefetch = 4096;
+
 inline __m512bh load_bf16(const uint16_t* p, __mmask32 mask) {
   return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
@@ -33,7 +39,10 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, c
     const __mmask32 mask = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
     __m512bh wv[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) wv[r] = load_bf16(w + (n + r) * K + k, mask);
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n + r) * K + k + kPrefetch), _MM_HINT_T0);
+      wv[r] = load_bf16(w + (n + r) * K + k, mask);
+    }
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       const __m512bh xv = load_bf16(x + m * ldx + k, mask);
