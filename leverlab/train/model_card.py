@@ -267,6 +267,10 @@ to agree with the target's top choice, and a softer target would spend its small
 
 
 def write_models_readme(paths: Paths, ev: dict) -> None:
+    eagle = ""
+    if (paths.models / "leverlab-code-eagle" / "config.json").exists():  # made by `leverlab train-eagle`
+        eagle = ("| `leverlab-code-eagle/` | EAGLE speculative head for the default model (one layer, ~2.3M "
+                 "parameters), made by `leverlab train-eagle` (docs/speculative.md) |\n")
     text = f"""# Bundled models and prompt set
 
 Made by `leverlab train-default` (code in `leverlab/train/`) from the standard library source of the training
@@ -276,7 +280,7 @@ interpreter; nothing downloaded.
 |---|---|
 | `{TARGET_NAME}/` | default model: Qwen3, ~15.7M parameters, bf16; val perplexity {ev["target_val_ppl"]:.2f} |
 | `{DRAFT_NAME}/` | speculative draft: Qwen3, ~1.4M parameters, distilled from the target |
-| `workload.json` | benchmark prompt set from held-out files: buckets short (64 tokens in / 256 out), medium (512/256), long (1500/256), decode (64/1024), and ChatML chat requests |
+{eagle}| `workload.json` | benchmark prompt set from held-out files: buckets short (64 tokens in / 256 out), medium (512/256), long (1500/256), decode (64/1024), and ChatML chat requests |
 
 See each folder's README.md for data, training, figures, and how to reproduce or resume.
 """
