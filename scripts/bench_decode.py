@@ -58,17 +58,25 @@ class LeverLabRunner:
 
     def measure(self, prompts: list[list[int]], decode_len: int) -> dict:
         outs = self.llm.generate(prompts, self.params(decode_len))
-        ttft = max(o.metrics.ttft for o in outs)
-        # Aggregate decode: tokens produced after every sequence had its first token, over that span.
-        start = max(o.metrics.first_token_time for o in outs)
-        end = max(o.metrics.last_token_time for o in outs)
-        decoded = sum(1 for o in outs for t in o.metrics.token_times if t > start)
-        return {"ttft_s": ttft, "decode_tok_s": decoded / max(1e-9, end - start)}
+        tok_s, _ = aggregate_decode(outs)
+        return {"ttft_s": max(o.metrics.ttft for o in outs), "decode_tok_s": tok_s}
 
 
-def measure_all(runners, prompt_len: int, decode_len: int, batches: list[int], rounds: int) -> dict:
+def aggregate_decode(outs) -> tuple[float, float]:
+    """(tok/s, span s) of a batch of LeverLab outputs: tokens produced after every sequence had its first
+    token, over that span (so prefill stays out of the decode rate)."""
+    start = max(o.metrics.first_token_time for o in outs)
+    end = max(o.metrics.last_token_time for o in outs)
+    decoded = sum(1 for o in outs for t in o.metrics.token_times if t > start)
+    span = max(1e-9, end - start)
+    return decoded / span, span
+
+
+def measure_all(runners, prompt_len: int, decode_len: int, batches: list[int], rounds: int,
+                describe=lambda res: f"TTFT {res['ttft_s']:.2f} s, decode {res['decode_tok_s']:.1f} tok/s") -> dict:
     """Every engine at every batch size, `rounds` times, interleaved so that a noisy spell on the shared
-    machine hits all engines alike; the best round counts (the least disturbed)."""
+    machine hits all engines alike; the best round counts (the least disturbed). `describe(result)` is what
+    each round prints."""
     g = torch.Generator().manual_seed(0)
     best: dict = {r.name: {} for r in runners}
     for r in runners:  # warm-up: first-call costs stay out of the figures
@@ -81,8 +89,7 @@ def measure_all(runners, prompt_len: int, decode_len: int, batches: list[int], r
                 old = best[r.name].get(b)
                 if old is None or res["decode_tok_s"] > old["decode_tok_s"]:
                     best[r.name][b] = res
-                print(f"  round {rnd + 1} {r.name:18s} batch {b:2d}: TTFT {res['ttft_s']:.2f} s, "
-                      f"decode {res['decode_tok_s']:.1f} tok/s", flush=True)
+                print(f"  round {rnd + 1} {r.name:22s} batch {b:2d}: {describe(res)}", flush=True)
     return best
 
 

@@ -92,8 +92,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_quant.json"))
     args = ap.parse_args()
-    from bench_decode import measure_bandwidth
     from make_qwen3_06b_shape import make
+
+    from leverlab.study.bandwidth import measure_bandwidth
 
     path = str(make(Path(args.model)))
     bw = measure_bandwidth(args.threads)

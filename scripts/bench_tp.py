@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_decode import aggregate_decode, measure_all  # noqa: E402
+
 from leverlab.study.bandwidth import measure_bandwidth  # noqa: E402
 
 COMM = ("tp_allreduce_seconds", "tp_gather_seconds", "tp_broadcast_seconds", "tp_allreduces", "tp_steps")
@@ -46,12 +48,8 @@ class Engine:
         before = self.llm.engine.counter_snapshot()
         outs = self.llm.generate(prompts, self.params(decode_len))
         after = self.llm.engine.counter_snapshot()
-        # Aggregate decode: tokens produced after every sequence had its first token, over that span.
-        start = max(o.metrics.first_token_time for o in outs)
-        end = max(o.metrics.last_token_time for o in outs)
-        decoded = sum(1 for o in outs for t in o.metrics.token_times if t > start)
-        span = max(1e-9, end - start)
-        res = {"decode_tok_s": decoded / span, "ttft_s": max(o.metrics.ttft for o in outs), "span_s": span}
+        tok_s, span = aggregate_decode(outs)
+        res = {"decode_tok_s": tok_s, "ttft_s": max(o.metrics.ttft for o in outs), "span_s": span}
         # Communication over the whole generate (prefill included): shares of its wall time.
         total = max(1e-9, max(o.metrics.finished_time for o in outs) - min(o.metrics.arrival_time for o in outs))
         for k in COMM:
@@ -62,24 +60,6 @@ class Engine:
 
     def close(self) -> None:
         self.llm.engine.close()
-
-
-def measure_all(engines: list[Engine], args) -> dict:
-    g = torch.Generator().manual_seed(0)
-    best: dict = {e.name: {} for e in engines}
-    for e in engines:  # warm-up: first-call costs stay out of the figures
-        e.measure([[7] * args.prompt_len] * 2, 4)
-    for rnd in range(args.rounds):
-        for b in args.batches:
-            prompts = [torch.randint(100, 1000, (args.prompt_len,), generator=g).tolist() for _ in range(b)]
-            for e in engines:
-                res = e.measure(prompts, args.decode_len)
-                old = best[e.name].get(b)
-                if old is None or res["decode_tok_s"] > old["decode_tok_s"]:
-                    best[e.name][b] = res
-                print(f"  round {rnd + 1} {e.name:22s} batch {b:2d}: decode {res['decode_tok_s']:.1f} tok/s, "
-                      f"all-reduce {100 * res['allreduce_share']:.0f}% of the time", flush=True)
-    return best
 
 
 def gpu_prediction(allreduces_per_step: float, weight_bytes: float, args) -> list[str]:
@@ -131,7 +111,9 @@ def main() -> int:
     for e in engines:
         print(f"{e.name}: load + warm-up {e.setup_s:.1f} s", flush=True)
     try:
-        best = measure_all(engines, args)
+        best = measure_all(engines, args.prompt_len, args.decode_len, args.batches, args.rounds,
+                           lambda res: f"decode {res['decode_tok_s']:.1f} tok/s, "
+                                       f"all-reduce {100 * res['allreduce_share']:.0f}% of the time")
     finally:
         for e in engines:
             e.close()

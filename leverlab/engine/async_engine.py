@@ -67,8 +67,8 @@ class AsyncLLM:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.model_config.vocab_size
-        method = getattr(getattr(self.engine.runner, "model", None), "quant_method", None)
-        self.quantization: str | None = method.name if method is not None else None  # as loaded
+        method = self.engine.runner.model.quant_method  # as loaded: a pre-quantized checkpoint names its own
+        self.quantization: str | None = method.name if method is not None else None
         self.model_name = served_model_name or self.engine.model_path.rstrip("/").split("/")[-1]
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
