@@ -91,7 +91,8 @@ def serve(runner, device: torch.device) -> None:
 
 def run_step(runner, step: protocol.StepInputs) -> None:
     """The forward of ModelRunner.execute with rank 0's inputs; logits go to rank 0 in the head's gather."""
-    meta = AttentionMetadata(step.slots, step.block_tables, step.seq_lens, step.query_start_loc)
+    qsl = step.query_start_loc
+    meta = AttentionMetadata(step.slots, step.block_tables, step.seq_lens, qsl, int((qsl[1:] - qsl[:-1]).max()))
     with forward_context(meta, runner.kv_caches, runner.kv_scales):
         hidden = runner.forward(step.ids, step.positions)
     if isinstance(hidden, tuple):  # with EAGLE's aux layers: (hidden, aux)

@@ -88,7 +88,7 @@ class ModelRunner:
             def i64(x):
                 return torch.tensor(x, dtype=torch.int64, device=self.device)
 
-            meta = AttentionMetadata(i64(list(range(t))), i64([[0]]), i64([t]), i64([0, t]))
+            meta = AttentionMetadata(i64(list(range(t))), i64([[0]]), i64([t]), i64([0, t]), t)
             with forward_context(meta, self.kv_caches, self.kv_scales):
                 hidden = self.forward(i64([1] * t), i64(list(range(t))))
             if isinstance(hidden, tuple):
@@ -146,7 +146,7 @@ class ModelRunner:
         if self.step_hook is not None:  # tensor parallel: the other ranks run this same step
             self.step_hook(ids, positions, slots, tables, seq_lens, starts, rows)
         meta = AttentionMetadata(slot_mapping=t(slots), block_tables=t(tables), seq_lens=t(seq_lens),
-                                 query_start_loc=t(starts))
+                                 query_start_loc=t(starts), max_query_len=max(batch.num_new_tokens))
         with forward_context(meta, self.kv_caches, self.kv_scales):
             hidden = self.forward(t(ids), t(positions))  # [T, H]
         aux = None

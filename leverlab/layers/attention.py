@@ -35,6 +35,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     seq_lens: torch.Tensor  # [B] int64: context length after this step (cached + new)
     query_start_loc: torch.Tensor  # [B + 1] int64: offsets of each sequence's new tokens in the batch
+    # The most new tokens of any one sequence, when the caller knows it: saves reading query_start_loc back
+    # in every layer to pick the kernel.
+    max_query_len: int | None = None
 
 
 @dataclass
@@ -68,7 +71,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     meta, cache = _CONTEXT.meta, _CONTEXT.kv_caches[layer]
     scales = _CONTEXT.kv_scales[layer] if _CONTEXT.kv_scales is not None else (None, None)
     return attention_impl(q, k, v, cache[0], cache[1], meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                          meta.query_start_loc, scale, k_scale=scales[0], v_scale=scales[1], window=window)
+                          meta.query_start_loc, scale, k_scale=scales[0], v_scale=scales[1], window=window,
+                          max_query_len=meta.max_query_len)
 
 
 @paged_attention.register_fake
@@ -90,9 +94,19 @@ def attention_impl(
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, KVH]: set when the cache is int8/fp8
     v_scale: torch.Tensor | None = None,
     window: int = 0,  # > 0: sliding-window attention over the last `window` positions
+    max_query_len: int | None = None,  # max new tokens of one sequence; None: read from query_start_loc
 ) -> torch.Tensor:  # [T, H, D]
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k.shape[1], k_cache.shape[1]
+    if k_scale is None and q.device.type == "cpu" and (kern := cpu_kernels.kernels()) is not None:
+        if max_query_len is None:
+            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+        if max_query_len <= KERNEL_MAX_SPAN:
+            # Decode and speculative verification (a few queries per sequence): our kernel writes the new K/V
+            # and reads each sequence's K/V once per KV head, in place through the block table, with no
+            # gather copies and no per-sequence call.
+            return kern.paged_decode(q, k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, slot_mapping,
+                                     block_tables, seq_lens, query_start_loc, scale, window)
     # ---- KV-cache dtype hook (issue 6): quantized caches are written and gathered by quant/kv_cache.py.
     if k_scale is not None:
         kv_quant.write(k_cache, k_scale, k, slot_mapping)
@@ -110,12 +124,6 @@ def attention_impl(
     batch = len(lens)
     starts = query_start_loc.tolist()
 
-    if (k_scale is None and q.device.type == "cpu" and max(e - s for s, e in zip(starts, starts[1:])) <= KERNEL_MAX_SPAN
-            and (kern := cpu_kernels.kernels()) is not None):
-        # Decode and speculative verification (a few queries per sequence): our kernel reads K/V once per
-        # sequence and KV head, in place through the block table, with no gather copies and no per-sequence call.
-        return kern.paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                 window)
     if num_tokens == batch:
         # Decode: one query per sequence, attending over its whole context.
         max_len = max(lens)

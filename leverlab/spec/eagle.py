@@ -199,7 +199,7 @@ class EagleProposer:
             return torch.tensor(x, dtype=torch.int64, device=self.device)
 
         meta = AttentionMetadata(slot_mapping=t(slots), block_tables=t(tables), seq_lens=t(lens),
-                                 query_start_loc=t(starts))
+                                 query_start_loc=t(starts), max_query_len=max(n for _, _, n in spans))
         embeds = self._embed(t(ids))
         with forward_context(meta, self.kv_caches):
             return self.head(t(positions), embeds, features)

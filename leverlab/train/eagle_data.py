@@ -113,7 +113,7 @@ class TargetFeatures:
         slots = (tables[:, :, None] * bs + torch.arange(bs, device=dev)).view(b, -1)[:, :n].reshape(-1)
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables,
                                  seq_lens=torch.full((b,), n, dtype=torch.int64, device=dev),
-                                 query_start_loc=torch.arange(0, b * n + 1, n, device=dev))
+                                 query_start_loc=torch.arange(0, b * n + 1, n, device=dev), max_query_len=n)
         positions = torch.arange(n, device=dev).repeat(b)
         with forward_context(meta, self.caches):
             hidden, aux = self.model(ids.reshape(-1), positions)

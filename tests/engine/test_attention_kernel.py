@@ -7,13 +7,15 @@ from leverlab.layers import cpu_kernels
 from leverlab.layers.attention import attention_impl
 
 
+# head_dim 32 takes the generic loops; 128 in bfloat16 the AVX-512 path where the CPU has one
+@pytest.mark.parametrize("d", [32, 128])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("window", [0, 5])
-def test_kernel_matches_pytorch_path(monkeypatch, dtype, tol, window):
+def test_kernel_matches_pytorch_path(monkeypatch, dtype, tol, window, d):
     if cpu_kernels.kernels() is None:
         pytest.skip("no C++ compiler here: the engine uses the PyTorch path")
     g = torch.Generator().manual_seed(0)
-    nb, bs, kvh, d, h, b = 40, 4, 2, 32, 6, 5
+    nb, bs, kvh, h, b = 40, 4, 2, 6, 5
     kc, vc = (torch.randn(nb, bs, kvh, d, generator=g).to(dtype) for _ in range(2))
     lens = torch.tensor([1, 7, 13, 4, 16])
     tables = torch.stack([torch.randperm(nb, generator=g)[:4] for _ in range(b)])
@@ -26,14 +28,15 @@ def test_kernel_matches_pytorch_path(monkeypatch, dtype, tol, window):
     assert torch.allclose(ours.float(), ref.float(), atol=tol, rtol=0)
 
 
+@pytest.mark.parametrize("d", [32, 64])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("window", [0, 3])
-def test_kernel_matches_pytorch_path_for_query_spans(monkeypatch, dtype, tol, window):
+def test_kernel_matches_pytorch_path_for_query_spans(monkeypatch, dtype, tol, window, d):
     """Verification steps: 1 + K queries per sequence, causal within the span, mixed with plain decodes."""
     if cpu_kernels.kernels() is None:
         pytest.skip("no C++ compiler here: the engine uses the PyTorch path")
     g = torch.Generator().manual_seed(1)
-    nb, bs, kvh, d, h = 40, 4, 2, 32, 6
+    nb, bs, kvh, h = 40, 4, 2, 6
     lens = torch.tensor([1, 9, 13, 5, 16, 4])
     spans = [1, 4, 5, 1, 3, 4]  # queries per sequence: the last `span` positions of its context
     b, t = len(lens), sum(spans)
@@ -49,3 +52,19 @@ def test_kernel_matches_pytorch_path_for_query_spans(monkeypatch, dtype, tol, wi
     monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
     ref = attention_impl(q, k, v, kc.clone(), vc.clone(), *args, window=window)
     assert torch.allclose(ours.float(), ref.float(), atol=tol, rtol=0)
+
+
+def test_kernel_writes_the_new_kv_into_its_slots():
+    """The kernel path stores this step's K/V itself (no separate index_copy_): the cache afterwards holds
+    them at their slots, as the PyTorch path leaves it."""
+    if cpu_kernels.kernels() is None:
+        pytest.skip("no C++ compiler here: the engine uses the PyTorch path")
+    g = torch.Generator().manual_seed(2)
+    nb, bs, kvh, d, h = 8, 4, 2, 64, 4
+    kc, vc = torch.zeros(nb, bs, kvh, d, dtype=torch.bfloat16), torch.zeros(nb, bs, kvh, d, dtype=torch.bfloat16)
+    q = torch.randn(2, h, d, generator=g).bfloat16()
+    k, v = (torch.randn(2, kvh, d, generator=g).bfloat16() for _ in range(2))
+    slots = torch.tensor([5, 22])
+    attention_impl(q, k, v, kc, vc, slots, torch.tensor([[1], [5]]), torch.tensor([2, 3]), torch.arange(3), 0.1)
+    assert torch.equal(kc.view(-1, kvh, d)[slots], k) and torch.equal(vc.view(-1, kvh, d)[slots], v)
+    assert int((kc != 0).any(-1).any(-1).sum()) == 2  # nothing else written

@@ -1,14 +1,15 @@
 // One extension module for our CPU kernels (built by leverlab/layers/cpu_kernels.py).
 #include <torch/extension.h>
 
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                        const at::Tensor& query_start_loc, double scale, int64_t window);
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
+                        at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                        int64_t window);
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 bool has_skinny_linear();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "attention of short query spans (decode, verification) over the paged KV cache");
+  m.def("paged_decode", &paged_decode, "write the new K/V, then attention of short query spans (decode, verification) over the paged KV cache");
   m.def("skinny_linear", &skinny_linear, "y = x W^T (+ b) in bfloat16 for 1..8 rows (AVX-512 BF16)");
   m.def("has_skinny_linear", &has_skinny_linear, "whether this build has the AVX-512 BF16 linear");
 }
