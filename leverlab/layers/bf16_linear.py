@@ -3,12 +3,13 @@
 A decode step multiplies a handful of activation rows by every weight matrix, so its matmuls stream the
 weights and should run at memory bandwidth. aten's bf16 linear falls well short of that for a few rows;
 our AVX-512 BF16 kernel (csrc/skinny_linear.cpp) streams several weight rows at once, prefetching ahead, and
-is used for up to MAX_ROWS rows (scripts/bench_linear.py measures both; figures in docs/engine.md): single
-streams, small batches and speculative verification. Larger batches, prefill, other dtypes and CPUs without
+is used for up to 8 rows (scripts/bench_linear.py measures both; figures in docs/engine.md): single streams,
+small batches and speculative verification. Larger batches, prefill, other dtypes and CPUs without
 AVX-512 BF16 keep aten's linear.
 
-It is a torch custom op so that a compiled model treats it as one opaque call (the branch on the row count
-happens at run time, not as a graph guard).
+The kernel is reached through one op registered in C++, `torch.ops.leverlab_cpu.linear_bf16`, which picks
+kernel or aten by the row count at run time: a compiled model treats it as one opaque call (no graph guard
+on the row count), and the dispatch costs about a microsecond in eager and compiled modes alike.
 """
 
 from __future__ import annotations
@@ -16,14 +17,8 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 
 from leverlab.layers import cpu_kernels
-
-# scripts/bench_linear.py, one thread: the kernel streams at 23-25 GB/s for 1-4 rows against aten's 15, and
-# 15.2 against 13.7 for 8 rows; beyond that aten's blocked GEMM is left to do it.
-MAX_ROWS = 8
-
 
 _AVAILABLE: bool | None = None
 
@@ -44,23 +39,6 @@ def wanted(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dim() == 2 and not (x.requires_grad or weight.requires_grad) and available())
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [T, in] bf16, weight [out, in] bf16 -> [T, out]: our kernel for T <= MAX_ROWS, aten's otherwise."""
-    if x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.stride(-1) == 1 and weight.is_contiguous():
-        return cpu_kernels.kernels().skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-linear_bf16 = torch.library.custom_op("leverlab::linear_bf16", _linear, mutates_args=())
-
-
-@linear_bf16.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The op inside a compiled graph; a direct call in eager mode, where the custom op's dispatch costs
-    ~7 us per call (measured: 9.9 against 3.1 us for a one-row 384x384 call), ~0.3 ms of the bundled model's
-    3.4 ms eager decode step (41 linears)."""
-    return linear_bf16(x, weight, bias) if torch.compiler.is_compiling() else _linear(x, weight, bias)
+    """x [T, in] bf16, weight [out, in] bf16 -> [T, out]: our kernel for T <= 8 rows, aten's otherwise."""
+    return torch.ops.leverlab_cpu.linear_bf16(x, weight, bias)

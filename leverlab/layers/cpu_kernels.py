@@ -34,9 +34,18 @@ def kernels():
             log.warning("removing a stale build lock %s", lock)
             lock.unlink(missing_ok=True)
         sources = [str(SRC / name) for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp")]
-        return load(name="leverlab_cpu_kernels", sources=sources, build_directory=str(build),
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                    verbose=False)
+        module = load(name="leverlab_cpu_kernels", sources=sources, build_directory=str(build),
+                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                      verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path
         log.warning("CPU kernels unavailable (%s); using the PyTorch path", e)
         return None
+    if module.has_skinny_linear():  # loading registered the op leverlab_cpu::linear_bf16 (skinny_linear.cpp)
+        import torch
+
+        torch.library.register_fake("leverlab_cpu::linear_bf16")(_linear_shape)
+    return module
+
+
+def _linear_shape(x, weight, bias):  # what a compiled graph needs to know of leverlab_cpu::linear_bf16
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
