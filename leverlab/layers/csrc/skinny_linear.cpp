@@ -1,9 +1,15 @@
 // y = x W^T (+ b) for a few rows of x, in bfloat16, with AVX-512 BF16 dot products.
 //
 // Decode multiplies 1..8 activation rows by every weight matrix: the work is reading W once, so the kernel is
-// a streaming loop over W's rows that keeps several rows in flight (memory-level parallelism) and applies each
-// 32-element weight chunk to every activation row while it is in registers. Accumulation is fp32 (dpbf16ps
-// multiplies bf16 pairs exactly and adds in fp32); each output is rounded to bf16 once, as aten's linear does.
+// a streaming loop. Each thread walks its share of W's rows one row after the other, so the reads form one
+// sequential stream, and applies each 32-element weight chunk to every activation row while it is in
+// registers. Accumulation is fp32 (dpbf16ps multiplies bf16 pairs exactly and adds in fp32); each output is
+// rounded to bf16 once, as aten's linear does.
+//
+// Why one row at a time: an earlier version streamed 2..8 weight rows side by side for more misses in flight.
+// Measured against it with 2 threads on a 0.9 GB Qwen3-0.6B-shaped stack (same run, torch.sum reading at
+// 45 GB/s): 1 row 34 -> 45 GB/s, 2 rows 33 -> 45, 4 rows 36 -> 45, 6 rows 31 -> 41; the hardware prefetcher
+// follows one stream per core best. At 7-8 rows the loop is compute-heavy enough that both did ~35.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
@@ -15,61 +21,58 @@ bool has_skinny_linear() { return true; }
 
 namespace {
 
-// Software prefetch distance, in weight elements (8 KB ahead on each streamed row). The hardware prefetcher
-// alone kept too few misses in flight with 2..4 streamed rows: measured on one core over a 0.9 GB stack
-// (scripts/bench_linear.py), 2 and 4 activation rows went from 18.5 and 12.8 GB/s to 23.7 and 24.8 GB/s.
-// Prefetching past a row's end is harmless (prefetches never fault).
-constexpr int64_t kPrefetch = 4096;
-
 inline __m512bh load_bf16(const uint16_t* p, __mmask32 mask) {
   return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
 
-// M activation rows times exactly R weight rows starting at row n. All bounds are compile-time so that the
-// M * R accumulators (<= 24 of 32 zmm registers) stay in registers; a runtime bound made gcc spill them.
-template <int M, int R>
-inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, const float* bias, uint16_t* y,
-                 int64_t ldy, int64_t n) {
-  __m512 acc[M][R];
+// Output column n for M activation rows: the dot products of row n of W with each row of x. U independent
+// accumulators per activation row (chunks k, k + 32, ... k + 32 (U - 1)) hide dpbf16ps's latency when M is
+// small; M * U <= 8 keeps them in registers (gcc spilled larger accumulator arrays and halved the rate).
+// The prefetch distance, in elements, runs ahead of the hardware prefetcher within and across rows.
+template <int M, int U, int64_t Prefetch>
+inline void column(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, const float* bias, uint16_t* y,
+                   int64_t ldy, int64_t n) {
+  __m512 acc[M][U];
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m)
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    const __mmask32 mask = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
-    __m512bh wv[R];
+    for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
+  const uint16_t* wr = w + n * K;
+  int64_t k = 0;
+  if constexpr (U > 1) {
+    for (; k + 32 * U <= K; k += 32 * U) {
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (n + r) * K + k + kPrefetch), _MM_HINT_T0);
-      wv[r] = load_bf16(w + (n + r) * K + k, mask);
-    }
+      for (int u = 0; u < U; ++u) {
+        _mm_prefetch(reinterpret_cast<const char*>(wr + k + 32 * u + Prefetch), _MM_HINT_T0);
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k + 32 * u);
 #pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const __m512bh xv = load_bf16(x + m * ldx + k, mask);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+        for (int m = 0; m < M; ++m)
+          acc[m][u] = _mm512_dpbf16_ps(acc[m][u], (__m512bh)_mm512_loadu_si512(x + m * ldx + k + 32 * u), wv);
+      }
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r)
-      y[m * ldy + n + r] = c10::BFloat16(_mm512_reduce_add_ps(acc[m][r]) + (bias ? bias[n + r] : 0.f)).x;
+  for (; k < K; k += 32) {  // U == 1: the whole row; otherwise the tail (masked past K)
+    const __mmask32 mask = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
+    _mm_prefetch(reinterpret_cast<const char*>(wr + k + Prefetch), _MM_HINT_T0);
+    const __m512bh wv = load_bf16(wr + k, mask);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], load_bf16(x + m * ldx + k, mask), wv);
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+    __m512 s = acc[m][0];
+#pragma GCC unroll 8
+    for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[m][u]);
+    y[m * ldy + n] = c10::BFloat16(_mm512_reduce_add_ps(s) + (bias ? bias[n] : 0.f)).x;
+  }
 }
 
-template <int M, int R>
-void block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, const float* bias, uint16_t* y,
-           int64_t ldy, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) tile<M, R>(x, ldx, w, K, bias, y, ldy, n);
-  for (; n < n1; ++n) tile<M, 1>(x, ldx, w, K, bias, y, ldy, n);
-}
-
-template <int M, int R>
+template <int M, int U, int64_t Prefetch>
 void run(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t N, int64_t K, const float* bias, uint16_t* y,
          int64_t ldy) {
-  // Blocks of 64 weight rows per task: large enough to stream, small enough to balance 2..16 threads.
-  const int64_t chunk = 64;
-  at::parallel_for(0, (N + chunk - 1) / chunk, 1, [&](int64_t b0, int64_t b1) {
-    block<M, R>(x, ldx, w, K, bias, y, ldy, b0 * chunk, std::min(N, b1 * chunk));
+  // Contiguous shares of 64 rows or more: one sequential stream per thread, balanced across 2..16 threads.
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) column<M, U, Prefetch>(x, ldx, w, K, bias, y, ldy, n);
   });
 }
 
@@ -92,17 +95,16 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   auto yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t ldx = x.stride(0);
-  // M * R = 8 accumulators at most: beyond that gcc keeps the accumulator array in memory and stores
-  // every one of them on each iteration (seen in the assembly), which halves the streaming rate.
+  // Unrolling and prefetch distance (elements) per row count: the best of a sweep (scripts/bench_linear.py).
   switch (M) {
-    case 1: run<1, 8>(xp, ldx, wp, N, K, bp, yp, N); break;
-    case 2: run<2, 4>(xp, ldx, wp, N, K, bp, yp, N); break;
-    case 3: run<3, 2>(xp, ldx, wp, N, K, bp, yp, N); break;
-    case 4: run<4, 2>(xp, ldx, wp, N, K, bp, yp, N); break;
-    case 5: run<5, 1>(xp, ldx, wp, N, K, bp, yp, N); break;
-    case 6: run<6, 1>(xp, ldx, wp, N, K, bp, yp, N); break;
-    case 7: run<7, 1>(xp, ldx, wp, N, K, bp, yp, N); break;
-    default: run<8, 1>(xp, ldx, wp, N, K, bp, yp, N); break;
+    case 1: run<1, 4, 1024>(xp, ldx, wp, N, K, bp, yp, N); break;
+    case 2: run<2, 4, 1024>(xp, ldx, wp, N, K, bp, yp, N); break;
+    case 3: run<3, 2, 1024>(xp, ldx, wp, N, K, bp, yp, N); break;
+    case 4: run<4, 2, 1024>(xp, ldx, wp, N, K, bp, yp, N); break;
+    case 5: run<5, 1, 4096>(xp, ldx, wp, N, K, bp, yp, N); break;
+    case 6: run<6, 1, 4096>(xp, ldx, wp, N, K, bp, yp, N); break;
+    case 7: run<7, 1, 4096>(xp, ldx, wp, N, K, bp, yp, N); break;
+    default: run<8, 1, 4096>(xp, ldx, wp, N, K, bp, yp, N); break;
   }
   return y;
 }
