@@ -2,8 +2,8 @@
 
 A decode step multiplies a handful of activation rows by every weight matrix, so its matmuls stream the
 weights and should run at memory bandwidth. aten's bf16 linear falls well short of that for a few rows;
-our AVX-512 BF16 kernel (csrc/skinny_linear.cpp) streams several weight rows at once, prefetching ahead, and
-is used for up to 8 rows (scripts/bench_linear.py measures both; figures in docs/engine.md): single streams,
+our AVX-512 BF16 kernel (csrc/skinny_linear.cpp) reads them as one sequential stream per thread, at the rate
+`torch.sum` reads memory, and is used for up to 8 rows (scripts/bench_linear.py measures both; figures in docs/engine.md): single streams,
 small batches and speculative verification. Larger batches, prefill, other dtypes and CPUs without
 AVX-512 BF16 keep aten's linear.
 
