@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from leverlab.config import EngineConfig
 from leverlab.distributed import groups, protocol
-from leverlab.layers.attention import AttentionMetadata, forward_context
+from leverlab.layers.attention import AttentionMetadata, forward_context, max_query_len_of
 
 log = logging.getLogger("leverlab")
 
@@ -92,7 +92,7 @@ def serve(runner, device: torch.device) -> None:
 def run_step(runner, step: protocol.StepInputs) -> None:
     """The forward of ModelRunner.execute with rank 0's inputs; logits go to rank 0 in the head's gather."""
     qsl = step.query_start_loc
-    meta = AttentionMetadata(step.slots, step.block_tables, step.seq_lens, qsl, int((qsl[1:] - qsl[:-1]).max()))
+    meta = AttentionMetadata(step.slots, step.block_tables, step.seq_lens, qsl, max_query_len_of(qsl))
     with forward_context(meta, runner.kv_caches, runner.kv_scales):
         hidden = runner.forward(step.ids, step.positions)
     if isinstance(hidden, tuple):  # with EAGLE's aux layers: (hidden, aux)

@@ -51,6 +51,11 @@ class ForwardContext:
 _CONTEXT: ForwardContext | None = None
 
 
+def max_query_len_of(query_start_loc: torch.Tensor) -> int:
+    """The most new tokens of any one sequence, read back from query_start_loc [B + 1]."""
+    return int((query_start_loc[1:] - query_start_loc[:-1]).max())
+
+
 @contextmanager
 def forward_context(meta: AttentionMetadata, kv_caches: list[torch.Tensor],
                     kv_scales: list[torch.Tensor] | None = None) -> Iterator[None]:
@@ -100,7 +105,7 @@ def attention_impl(
     num_kv_heads, block_size = k.shape[1], k_cache.shape[1]
     if k_scale is None and q.device.type == "cpu" and (kern := cpu_kernels.kernels()) is not None:
         if max_query_len is None:
-            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+            max_query_len = max_query_len_of(query_start_loc)
         if max_query_len <= KERNEL_MAX_SPAN:
             # Decode and speculative verification (a few queries per sequence): our kernel writes the new K/V
             # and reads each sequence's K/V once per KV head, in place through the block table, with no
