@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from leverlab import env
 from leverlab.quant.registry import check_kv_cache_dtype, check_quantization
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -35,7 +35,7 @@ class EngineConfig:
     speculative_config: dict | None = None
     tensor_parallel_size: int = 1  # > 1: one process per rank (leverlab/distributed, docs/tensor-parallel.md)
     # "compiled": torch.compile fast path (default, cached on disk); "eager": no compilation (tests).
-    execution_mode: str = field(default_factory=lambda: os.environ.get("LEVERLAB_EXECUTION_MODE", "compiled"))
+    execution_mode: str = field(default_factory=lambda: env.get("LEVERLAB_EXECUTION_MODE", "compiled"))
     num_threads: int | None = None  # per rank; None: all cores (cores // tensor_parallel_size per rank)
     seed: int = 0
 

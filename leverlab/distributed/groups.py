@@ -18,7 +18,6 @@ while it is idle. NCCL does not see a closed socket, so on CUDA the monitor abor
 
 from __future__ import annotations
 
-import os
 import time
 from datetime import timedelta
 
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from leverlab import env
 from leverlab.distributed import comm
 from leverlab.distributed.parallel_state import TPState
 from leverlab.errors import TensorParallelError
@@ -36,7 +36,7 @@ IDLE_TIMEOUT = timedelta(days=365)
 
 
 def step_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("LEVERLAB_TP_STEP_TIMEOUT_S", "30")))
+    return timedelta(seconds=float(env.get("LEVERLAB_TP_STEP_TIMEOUT_S", "30")))
 
 
 def init_groups(rank: int, size: int, port: int, device: torch.device, dead=None) -> TPState:

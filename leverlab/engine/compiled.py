@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 
 import torch
 
+from leverlab import env
 from leverlab.config import EngineConfig
+from leverlab.env import cache_dir
 
 log = logging.getLogger("leverlab")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LEVERLAB_CACHE", Path.home() / ".cache" / "leverlab"))
 
 
 def compile_forward(model: torch.nn.Module, config: EngineConfig):
@@ -36,6 +33,6 @@ def compile_forward(model: torch.nn.Module, config: EngineConfig):
         # oneDNN-prepacked weights are unpicklable, which bypasses the FX graph cache (every start would
         # recompile: 88 s against 38 s warm for the 0.6B shape), and measured no faster here (148 vs 145 ms
         # per 16-sequence step). LEVERLAB_WEIGHT_PREPACK=1 turns them back on.
-        inductor_config.cpp.weight_prepack = os.environ.get("LEVERLAB_WEIGHT_PREPACK", "0") == "1"
+        inductor_config.cpp.weight_prepack = env.flag("LEVERLAB_WEIGHT_PREPACK")
     return torch.compile(model.forward, dynamic=True, fullgraph=False,
-                         mode=os.environ.get("LEVERLAB_COMPILE_MODE", "max-autotune-no-cudagraphs"))
+                         mode=env.get("LEVERLAB_COMPILE_MODE", "max-autotune-no-cudagraphs"))

@@ -12,6 +12,7 @@ from leverlab.distributed.parallel_state import TPState, local_kv_heads
 from leverlab.engine.scheduler import ScheduledBatch
 from leverlab.engine.sequence import Sequence
 from leverlab.layers.attention import AttentionMetadata, forward_context
+from leverlab.models import fused
 from leverlab.models.loader import DTYPES, load_model
 from leverlab.quant import kv_cache as kv_quant
 from leverlab.spec.eagle_head import aux_layers_for
@@ -73,6 +74,10 @@ class ModelRunner:
             config.kv_cache_dtype, self.dtype, cfg.num_layers, self.num_blocks, self.block_size,
             self.num_kv_heads, cfg.head_dim, self.device)
         self.forward = self.model.forward
+        # Short steps (decode, verification, small chunks) on the CPU: the whole forward in one C++ call when the
+        # model allows it (models/fused.py); None keeps every step on self.forward.
+        self.fused = fused.fused_decoder(self.model, self.kv_caches, config.kv_cache_dtype, self.tp.size)
+        self.fused_steps = 0  # steps that took it
         if config.execution_mode == "compiled":
             from leverlab.engine.compiled import compile_forward
 
@@ -91,6 +96,8 @@ class ModelRunner:
             meta = AttentionMetadata(i64(list(range(t))), i64([[0]]), i64([t]), i64([0, t]), t)
             with forward_context(meta, self.kv_caches, self.kv_scales):
                 hidden = self.forward(i64([1] * t), i64(list(range(t))))
+            if self.fused is not None:
+                fused.run(self.fused, i64([1] * t), i64(list(range(t))), meta)
             if isinstance(hidden, tuple):
                 hidden = hidden[0]
             self.model.compute_logits(hidden[-1:])
@@ -147,8 +154,12 @@ class ModelRunner:
             self.step_hook(ids, positions, slots, tables, seq_lens, starts, rows)
         meta = AttentionMetadata(slot_mapping=t(slots), block_tables=t(tables), seq_lens=t(seq_lens),
                                  query_start_loc=t(starts), max_query_len=max(batch.num_new_tokens))
-        with forward_context(meta, self.kv_caches, self.kv_scales):
-            hidden = self.forward(t(ids), t(positions))  # [T, H]
+        if self.fused is not None and meta.max_query_len <= fused.MAX_SPAN:
+            hidden = fused.run(self.fused, t(ids), t(positions), meta)  # [T, H], one C++ call
+            self.fused_steps += 1
+        else:
+            with forward_context(meta, self.kv_caches, self.kv_scales):
+                hidden = self.forward(t(ids), t(positions))  # [T, H]
         aux = None
         if isinstance(hidden, tuple):  # EAGLE: (hidden, aux [T, A*H])
             hidden, aux = hidden

@@ -14,10 +14,9 @@ on the row count), and the dispatch costs about a microsecond in eager and compi
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from leverlab import env
 from leverlab.layers import cpu_kernels
 
 _AVAILABLE: bool | None = None
@@ -28,7 +27,7 @@ def available() -> bool:
     """Whether the kernel can run here; LEVERLAB_NO_SKINNY_LINEAR=1 keeps aten's linear (for A/B runs)."""
     global _AVAILABLE
     if _AVAILABLE is None:
-        k = None if os.environ.get("LEVERLAB_NO_SKINNY_LINEAR") == "1" else cpu_kernels.kernels()
+        k = None if env.flag("LEVERLAB_NO_SKINNY_LINEAR") else cpu_kernels.kernels()
         _AVAILABLE = k is not None and bool(k.has_skinny_linear())
     return _AVAILABLE
 

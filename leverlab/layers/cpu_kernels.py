@@ -7,10 +7,11 @@ reason is logged once. LEVERLAB_NO_CPP_KERNELS=1 forces the fallback.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from functools import cache
 from pathlib import Path
+
+from leverlab import env
 
 log = logging.getLogger("leverlab")
 SRC = Path(__file__).parent / "csrc"
@@ -19,21 +20,20 @@ SRC = Path(__file__).parent / "csrc"
 @cache
 def kernels():
     """The compiled module, or None when it cannot be built here."""
-    if os.environ.get("LEVERLAB_NO_CPP_KERNELS") == "1":
+    if env.flag("LEVERLAB_NO_CPP_KERNELS"):
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        from leverlab.engine.compiled import cache_dir
-
-        build = cache_dir() / "cpp_kernels"
+        build = env.cache_dir() / "cpp_kernels"
         build.mkdir(parents=True, exist_ok=True)
         lock = build / "lock"
         if lock.exists() and time.time() - lock.stat().st_mtime > 600:
             # A build killed midway leaves its lock behind, and every later load would wait on it forever.
             log.warning("removing a stale build lock %s", lock)
             lock.unlink(missing_ok=True)
-        sources = [str(SRC / name) for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp")]
+        sources = [str(SRC / name) for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp", "quant_linear.cpp",
+                                                   "fused_decoder.cpp")]
         module = load(name="leverlab_cpu_kernels", sources=sources, build_directory=str(build),
                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                       verbose=False)

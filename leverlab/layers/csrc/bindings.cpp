@@ -7,9 +7,14 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         int64_t window);
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 bool has_skinny_linear();
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias);
+void bind_fused_decoder(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "write the new K/V, then attention of short query spans (decode, verification) over the paged KV cache");
-  m.def("skinny_linear", &skinny_linear, "y = x W^T (+ b) in bfloat16 for 1..8 rows (AVX-512 BF16)");
-  m.def("has_skinny_linear", &has_skinny_linear, "whether this build has the AVX-512 BF16 linear");
+  m.def("skinny_linear", &skinny_linear, "y = x W^T (+ b) in bfloat16 for 1..8 rows (AVX-512 BF16 or AVX2)");
+  m.def("has_skinny_linear", &has_skinny_linear, "whether this build has the streaming bf16 linear (AVX-512 BF16 or AVX2)");
+  m.def("int8_linear", &int8_linear, "y = (x W^T) * s (+ b) for int8 W [N, K], float32 s [N]; streaming for 1..8 rows");
+  bind_fused_decoder(m);
 }

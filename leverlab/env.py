@@ -1,0 +1,33 @@
+"""Every LEVERLAB_* environment variable and the cache folder, in one place (no layer imports the engine for them).
+
+| variable                      | effect                                                                  |
+|-------------------------------|-------------------------------------------------------------------------|
+| LEVERLAB_CACHE                | cache root: C++ kernels, Inductor's code, llama.cpp builds (~/.cache/leverlab) |
+| LEVERLAB_EXECUTION_MODE       | default --execution-mode: compiled or eager (the tests set eager)       |
+| LEVERLAB_COMPILE_MODE         | torch.compile mode of the compiled path (max-autotune-no-cudagraphs)    |
+| LEVERLAB_WEIGHT_PREPACK=1     | let Inductor prepack weights with oneDNN (off: it defeats the FX cache) |
+| LEVERLAB_NO_CPP_KERNELS=1     | never build or use our C++ kernels (the plain PyTorch paths)            |
+| LEVERLAB_NO_SKINNY_LINEAR=1   | aten's linear instead of our streaming bf16 kernel (A/B runs)            |
+| LEVERLAB_NO_FUSED_DECODE=1    | decode steps through the modules instead of the fused C++ forward       |
+| LEVERLAB_TP_STEP_TIMEOUT_S    | seconds before a hung tensor-parallel rank fails the step (30)          |
+| LEVERLAB_API_KEY              | the server's API key when --api-key is not given                        |
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def get(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def flag(name: str) -> bool:
+    """A switch that is on when set to 1."""
+    return os.environ.get(name) == "1"
+
+
+def cache_dir() -> Path:
+    """The cache root; each user of it takes a subfolder."""
+    return Path(os.environ.get("LEVERLAB_CACHE", Path.home() / ".cache" / "leverlab"))

@@ -1,0 +1,207 @@
+// The whole decoder forward for short steps (decode, speculative verification) in one C++ call.
+//
+// Why: a decode step of a small model reads a few MB of weights, about a millisecond, while the same forward
+// run module by module from Python pays ~100 op dispatches (norms, rotary, residuals, the linears and the
+// attention of every layer), each a few microseconds plus its Python frames: measured on the bundled 15M model,
+// the dispatch took longer than the weights. This is what llama.cpp does: one native loop over the layers.
+// Each linear is our streaming kernel (bf16, up to 8 rows) or aten's; attention is paged_decode(), which also
+// writes the new K/V; the elementwise work between them runs in plain loops on the step's few rows.
+//
+// Numerics follow the module path (models/decoder.py) op for op: every elementwise op rounds to the model dtype
+// as torch's eager op does (RMS norm in float32, then the cast, then the weight), so in float32 the two paths
+// run the same arithmetic, and the linears are the very same calls.
+//
+// Shapes: T rows (the step's new tokens, sequence after sequence), H hidden, NH query heads, NKV KV heads, D
+// head size, I intermediate size.
+#include <torch/extension.h>
+#include <cmath>
+#include <vector>
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
+                        at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                        int64_t window);
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+bool has_skinny_linear();
+
+namespace {
+
+// A linear layer as the fused path sees it. kind 0: float weight [N, K]; kind 1: int8 weight [N, K] with one
+// float32 scale per output row, dequantized in registers (int8_linear in quant_linear.cpp).
+struct Lin {
+  int64_t kind = 0;
+  at::Tensor w, scale, bias;  // bias may be undefined
+};
+
+struct Layer {
+  at::Tensor in_norm, post_norm, q_norm, k_norm;  // [H], [H], [D], [D] (q/k norms undefined without them)
+  Lin qkv, o, gate_up, down;
+  int64_t window = 0;  // > 0: sliding-window attention
+};
+
+}  // namespace
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias);
+
+namespace {
+
+at::Tensor apply(const Lin& l, const at::Tensor& x) {
+  c10::optional<at::Tensor> b = l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt;
+  if (l.kind == 1) return int8_linear(x, l.w, l.scale, b);
+  if (x.scalar_type() == at::kBFloat16 && l.w.scalar_type() == at::kBFloat16 && x.size(0) <= 8 && has_skinny_linear())
+    return skinny_linear(x, l.w, b);
+  return at::linear(x, l.w, b);
+}
+
+// y = w * cast(x * rsqrt(mean(x^2) + eps)) over the last dim of n rows of `dim` elements, as RMSNorm.forward.
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* y, int64_t n, int64_t dim, float eps) {
+  for (int64_t r = 0; r < n; ++r) {
+    const T* xr = x + r * dim;
+    float ss = 0.f;
+    for (int64_t i = 0; i < dim; ++i) {
+      const float v = static_cast<float>(xr[i]);
+      ss += v * v;
+    }
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    T* yr = y + r * dim;
+    for (int64_t i = 0; i < dim; ++i) yr[i] = w[i] * static_cast<T>(static_cast<float>(xr[i]) * inv);
+  }
+}
+
+// Rotate-half rotary on one head's D values in place, with cos/sin rows (float32, cast to T as the module does).
+template <typename T>
+void rope_head(T* x, const float* cos, const float* sin, int64_t D, T* tmp) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < D; ++i) tmp[i] = x[i];
+  for (int64_t i = 0; i < D; ++i) {
+    const T rot = i < half ? static_cast<T>(-tmp[i + half]) : tmp[i - half];
+    x[i] = tmp[i] * static_cast<T>(cos[i]) + rot * static_cast<T>(sin[i]);
+  }
+}
+
+}  // namespace
+
+class FusedDecoder {
+ public:
+  FusedDecoder(at::Tensor embed, at::Tensor final_norm, at::Tensor cos, at::Tensor sin,
+               std::vector<std::vector<c10::optional<at::Tensor>>> layer_tensors, std::vector<int64_t> lin_kinds,
+               std::vector<int64_t> windows, std::vector<at::Tensor> kv_caches, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
+      : embed_(embed), final_norm_(final_norm), cos_(cos.contiguous()), sin_(sin.contiguous()),
+        kv_caches_(std::move(kv_caches)), nh_(num_heads), nkv_(num_kv_heads), d_(head_dim), eps_(eps), scale_(scale) {
+    // Per layer, 16 entries: in_norm, post_norm, q_norm, k_norm, then (weight, scale, bias) for qkv, o, gate_up,
+    // down; lin_kinds holds 4 kinds per layer.
+    TORCH_CHECK(layer_tensors.size() == windows.size() && lin_kinds.size() == 4 * windows.size() &&
+                    kv_caches_.size() == windows.size(), "FusedDecoder: one entry per layer");
+    auto get = [](const c10::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); };
+    for (size_t i = 0; i < layer_tensors.size(); ++i) {
+      const auto& t = layer_tensors[i];
+      TORCH_CHECK(t.size() == 16, "FusedDecoder: 16 tensors per layer");
+      Layer l;
+      l.in_norm = get(t[0]);
+      l.post_norm = get(t[1]);
+      l.q_norm = get(t[2]);
+      l.k_norm = get(t[3]);
+      Lin* lins[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+      for (int j = 0; j < 4; ++j) {
+        lins[j]->kind = lin_kinds[4 * i + j];
+        lins[j]->w = get(t[4 + 3 * j]);
+        lins[j]->scale = get(t[5 + 3 * j]);
+        lins[j]->bias = get(t[6 + 3 * j]);
+      }
+      l.window = windows[i];
+      layers_.push_back(std::move(l));
+    }
+  }
+
+  // ids, positions [T] int64 and the attention layout (as AttentionMetadata) -> final normed hidden [T, H].
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc) {
+    at::Tensor out;
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, embed_.scalar_type(), "fused_decoder", [&] {
+      out = run<scalar_t>(ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc);
+    });
+    return out;
+  }
+
+ private:
+  template <typename T>
+  at::Tensor run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slots,
+                 const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& qsl) {
+    const int64_t T_ = ids.size(0), H = embed_.size(1), D = d_, QW = nh_ * D, KW = nkv_ * D;
+    const float eps = static_cast<float>(eps_);
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t max_pos = cos_.size(0);
+    for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position out of range");
+    at::Tensor x = embed_.index_select(0, ids);  // [T, H] residual stream
+    at::Tensor h = at::empty_like(x);
+    std::vector<T> tmp(D);
+    for (const Layer& l : layers_) {
+      // ---- attention block
+      rms_norm_rows<T>(x.data_ptr<T>(), l.in_norm.data_ptr<T>(), h.data_ptr<T>(), T_, H, eps);
+      at::Tensor qkv = apply(l.qkv, h);  // [T, QW + 2 KW]
+      T* qp = qkv.data_ptr<T>();
+      const int64_t row = QW + 2 * KW;
+      for (int64_t t = 0; t < T_; ++t) {
+        const float* c = cos_.data_ptr<float>() + pos[t] * D;
+        const float* s = sin_.data_ptr<float>() + pos[t] * D;
+        for (int64_t hd = 0; hd < nh_ + nkv_; ++hd) {  // the query heads, then the key heads
+          T* head = qp + t * row + hd * D;
+          if (l.q_norm.defined()) {
+            const at::Tensor& w = hd < nh_ ? l.q_norm : l.k_norm;
+            rms_norm_rows<T>(head, w.data_ptr<T>(), head, 1, D, eps);
+          }
+          rope_head<T>(head, c, s, D, tmp.data());
+        }
+      }
+      at::Tensor q = qkv.narrow(1, 0, QW).view({T_, nh_, D});
+      at::Tensor k = qkv.narrow(1, QW, KW).view({T_, nkv_, D});
+      at::Tensor v = qkv.narrow(1, QW + KW, KW).view({T_, nkv_, D});
+      const at::Tensor& cache = kv_caches_[&l - layers_.data()];
+      at::Tensor o = paged_decode(q, k, v, cache[0], cache[1], slots, tables, lens, qsl, scale_, l.window);
+      at::Tensor attn = apply(l.o, o.view({T_, QW}));
+      add_into<T>(x, attn);
+      // ---- MLP block
+      rms_norm_rows<T>(x.data_ptr<T>(), l.post_norm.data_ptr<T>(), h.data_ptr<T>(), T_, H, eps);
+      at::Tensor gu = apply(l.gate_up, h);  // [T, 2 I]
+      const int64_t I = gu.size(1) / 2;
+      at::Tensor act = at::empty({T_, I}, x.options());
+      const T* g = gu.data_ptr<T>();
+      T* a = act.data_ptr<T>();
+      for (int64_t t = 0; t < T_; ++t)
+        for (int64_t i = 0; i < I; ++i) {
+          const float gv = static_cast<float>(g[t * 2 * I + i]);
+          a[t * I + i] = static_cast<T>(gv / (1.f + std::exp(-gv))) * g[t * 2 * I + I + i];  // silu(gate) * up
+        }
+      add_into<T>(x, apply(l.down, act));
+    }
+    at::Tensor y = at::empty_like(x);
+    rms_norm_rows<T>(x.data_ptr<T>(), final_norm_.data_ptr<T>(), y.data_ptr<T>(), T_, H, eps);
+    return y;
+  }
+
+  template <typename T>
+  static void add_into(at::Tensor& x, const at::Tensor& y) {  // x = x + y, rounded to T (the residual)
+    T* xp = x.data_ptr<T>();
+    const T* yp = y.data_ptr<T>();
+    for (int64_t i = 0, n = x.numel(); i < n; ++i) xp[i] = xp[i] + yp[i];
+  }
+
+  at::Tensor embed_, final_norm_, cos_, sin_;
+  std::vector<at::Tensor> kv_caches_;  // per layer [2, num_blocks, block_size, NKV, D]
+  std::vector<Layer> layers_;
+  int64_t nh_, nkv_, d_;
+  double eps_, scale_;
+};
+
+void bind_fused_decoder(pybind11::module& m) {
+  pybind11::class_<FusedDecoder>(m, "FusedDecoder")
+      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                          std::vector<std::vector<c10::optional<at::Tensor>>>, std::vector<int64_t>,
+                          std::vector<int64_t>, std::vector<at::Tensor>, int64_t, int64_t, int64_t, double,
+                          double>())
+      .def("forward", &FusedDecoder::forward, "ids, positions, slot_mapping, block_tables, seq_lens, "
+           "query_start_loc -> final normed hidden [T, H]");
+}

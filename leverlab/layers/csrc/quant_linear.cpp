@@ -1,0 +1,131 @@
+// y = (x W^T) * s (+ b) for int8 weights W [N, K] with one float32 scale per output row, for a few rows of x.
+//
+// Weight-only: the activations stay in their dtype (widened to float32 once per call), each 16-weight chunk is
+// widened in registers (sign-extend, convert) and multiplied in float32, and the row's scale is applied once to
+// the finished dot product. Like the bf16 kernel (skinny_linear.cpp) each thread walks its share of W's rows as
+// one sequential stream: decode reads W once, so the kernel's job is to keep up with memory at one byte a weight.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// The dot products of weight row n with M activation rows (float32, K16 apart, zero-padded to K16), M <= 4:
+// two accumulators per row (the two 8-weight halves of a chunk) keep 2M FMA chains in flight.
+template <int M, int U>
+inline void row_dots(const float* xs, int64_t K16, const int8_t* wr, int64_t K, float* dots) {
+  __m256 acc[M][2 * U];
+  for (int m = 0; m < M; ++m)
+    for (int u = 0; u < 2 * U; ++u) acc[m][u] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 * U <= K; k += 16 * U) {
+    _mm_prefetch(reinterpret_cast<const char*>(wr + k + 1024), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const __m128i wv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k + 16 * u));
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(wv));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(wv, wv)));
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) {
+        const float* xm = xs + m * K16 + k + 16 * u;
+        acc[m][2 * u] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), acc[m][2 * u]);
+        acc[m][2 * u + 1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), acc[m][2 * u + 1]);
+      }
+    }
+  }
+  for (; k < K; k += 16) {  // the rest; a partial chunk is copied out (x is zero past K)
+    alignas(16) int8_t tmp[16] = {0};
+    std::memcpy(tmp, wr + k, std::min<int64_t>(16, K - k));
+    const __m128i wv = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
+    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(wv));
+    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(wv, wv)));
+    for (int m = 0; m < M; ++m) {
+      const float* xm = xs + m * K16 + k;
+      acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), acc[m][1]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    __m256 s = acc[m][0];
+    for (int u = 1; u < 2 * U; ++u) s = _mm256_add_ps(s, acc[m][u]);
+    dots[m] = hsum8(s);
+  }
+}
+#endif
+
+template <typename T>
+void int8_rows(const at::Tensor& x, const int8_t* w, const float* scale, const float* bias, T* y, int64_t N,
+               int64_t K) {
+  const int64_t M = x.size(0), K16 = (K + 15) / 16 * 16;
+  std::vector<float> xs(M * K16, 0.f);  // the activations in float32, zero past K
+  for (int64_t m = 0; m < M; ++m) {
+    const T* xr = x.data_ptr<T>() + m * x.stride(0);
+    for (int64_t k = 0; k < K; ++k) xs[m * K16 + k] = static_cast<float>(xr[k]);
+  }
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    float dots[4];
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* wr = w + n * K;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {  // groups of 4 rows; a weight row is re-read from L1
+        const int64_t g = std::min<int64_t>(4, M - m0);
+        const float* xg = xs.data() + m0 * K16;
+#if defined(__AVX2__) && defined(__FMA__)
+        switch (g) {
+          case 1: row_dots<1, 2>(xg, K16, wr, K, dots); break;
+          case 2: row_dots<2, 1>(xg, K16, wr, K, dots); break;
+          case 3: row_dots<3, 1>(xg, K16, wr, K, dots); break;
+          default: row_dots<4, 1>(xg, K16, wr, K, dots); break;
+        }
+#else
+        for (int64_t m = 0; m < g; ++m) {
+          float s = 0.f;
+          for (int64_t k = 0; k < K; ++k) s += static_cast<float>(wr[k]) * xg[m * K16 + k];
+          dots[m] = s;
+        }
+#endif
+        for (int64_t m = 0; m < g; ++m) y[(m0 + m) * N + n] = static_cast<T>(dots[m] * scale[n] + (bias ? bias[n] : 0.f));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [M, K] (float32 / bf16 / fp16), w [N, K] int8, scale [N] float32, bias [N] or none -> [M, N] in x's dtype.
+// Our streaming kernel for up to 8 rows; above that, aten's matmul on the dequantized weight.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "int8_linear: x [M, K], w [N, K]");
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous(), "int8_linear: contiguous int8 weight");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == w.size(0), "int8_linear: float32 scale [N]");
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  if (M > 8 || x.stride(1) != 1) {
+    at::Tensor y = at::mm(x, w.t().to(x.scalar_type())) * scale.to(x.scalar_type());
+    return bias.has_value() && bias->defined() ? y + *bias : y;
+  }
+  auto y = at::empty({M, N}, x.options());
+  at::Tensor b32;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    b32 = bias->to(at::kFloat).contiguous();
+    bp = b32.data_ptr<float>();
+  }
+  auto sc = scale.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
+    int8_rows<scalar_t>(x, w.data_ptr<int8_t>(), sc.data_ptr<float>(), bp, y.data_ptr<scalar_t>(), N, K);
+  });
+  return y;
+}

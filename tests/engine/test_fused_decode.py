@@ -1,0 +1,96 @@
+"""The fused decode path (models/fused.py, one C++ forward per short step) against the module path."""
+
+import pytest
+import torch
+
+from leverlab import LLM, SamplingParams
+from leverlab.layers import cpu_kernels
+from leverlab.layers.attention import AttentionMetadata, forward_context
+from leverlab.models import fused
+from leverlab.models.loader import load_model
+from tests.checkpoints import ARCHS
+
+pytestmark = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="C++ kernels not built here")
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 47)), [7], [100, 3, 250, 17, 9, 31, 2, 8]]
+
+
+def both_paths(model, dtype, spans, context=20):
+    """Run the same steps (each sequence `context` cached tokens, then a span of new ones) through the modules
+    and the fused forward, each on its own copy of one random KV cache. Returns the two hidden tensors."""
+    cfg = model.config
+    torch.manual_seed(0)
+    bs, nseq = 16, len(spans)
+    per_seq = -(-(context + max(spans)) // bs)
+    base = [torch.randn(2, nseq * per_seq, bs, cfg.num_kv_heads, cfg.head_dim).to(dtype) for _ in range(cfg.num_layers)]
+    tables = torch.arange(nseq * per_seq).view(nseq, per_seq)
+    ids, positions, slots, starts = [], [], [], [0]
+    for b, n in enumerate(spans):
+        ids += torch.randint(0, cfg.vocab_size, (n,)).tolist()
+        for p in range(context, context + n):
+            positions.append(p)
+            slots.append(int(tables[b, p // bs]) * bs + p % bs)
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(torch.tensor(slots), tables, torch.tensor([context + n for n in spans]),
+                             torch.tensor(starts), max(spans))
+    ids, positions = torch.tensor(ids), torch.tensor(positions)
+    module_caches = [c.clone() for c in base]
+    fused_caches = [c.clone() for c in base]
+    with torch.no_grad(), forward_context(meta, module_caches):
+        expected = model(ids, positions)
+    dec = fused.fused_decoder(model, fused_caches, "auto", 1)
+    assert dec is not None
+    got = fused.run(dec, ids, positions, meta)
+    for a, b in zip(module_caches, fused_caches):  # the new K/V went to the same slots
+        torch.testing.assert_close(a, b, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
+    return expected, got
+
+
+@pytest.mark.parametrize("arch", (*ARCHS, "mistral", "qwen2-window"))
+def test_fused_forward_matches_modules_float32(checkpoint_factory, arch):
+    model = load_model(checkpoint_factory(arch), "float32")
+    for spans in ([1], [1, 1, 1], [4, 1, 16]):  # decode, a decode batch, verification spans and a short chunk
+        expected, got = both_paths(model, torch.float32, spans)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_forward_close_in_bfloat16(checkpoint_factory):
+    model = load_model(checkpoint_factory("qwen3"), "bfloat16")
+    expected, got = both_paths(model, torch.bfloat16, [1, 3])
+    logits_e, logits_g = model.compute_logits(expected), model.compute_logits(got)
+    assert (logits_e - logits_g).abs().max() < 0.1 * logits_e.abs().max()
+
+
+@pytest.mark.parametrize("arch", ("qwen3", "qwen2"))
+def test_engine_tokens_identical_with_and_without_fused_path(checkpoint_factory, monkeypatch, arch):
+    path = checkpoint_factory(arch)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(path, dtype="float32")
+    assert llm.engine.runner.fused is not None
+    outs = llm.generate(PROMPTS, params)
+    assert llm.engine.runner.fused_steps > 0
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+    monkeypatch.setenv("LEVERLAB_NO_FUSED_DECODE", "1")
+    plain = LLM(path, dtype="float32")
+    assert plain.engine.runner.fused is None
+    ref = plain.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_fused_path_declines_what_it_does_not_run(checkpoint_factory):
+    path = checkpoint_factory("qwen3")
+    assert LLM(path, dtype="float32", kv_cache_dtype="int8").engine.runner.fused is None  # quantized KV cache
+    assert LLM(path, dtype="float32", quantization="int4").engine.runner.fused is None  # no fused int4 kernel
+
+
+def test_int8_kernel_matches_dequantized_weight():
+    kern = cpu_kernels.kernels()
+    torch.manual_seed(0)
+    for m in (1, 3, 8, 9):
+        for n, k in ((64, 48), (37, 100), (128, 384)):
+            x = torch.randn(m, k)
+            w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+            s, b = torch.rand(n) / 100, torch.randn(n)
+            expected = x @ (w.float() * s[:, None]).t() + b
+            torch.testing.assert_close(kern.int8_linear(x, w, s, b), expected, atol=1e-4, rtol=1e-4)
+            got16 = kern.int8_linear(x.bfloat16(), w, s, None).float()
+            assert (got16 - (expected - b)).abs().max() < 0.02 * expected.abs().max()
