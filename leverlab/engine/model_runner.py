@@ -97,7 +97,7 @@ class ModelRunner:
             with forward_context(meta, self.kv_caches, self.kv_scales):
                 hidden = self.forward(i64([1] * t), i64(list(range(t))))
             if self.fused is not None:
-                fused.run(self.fused, i64([1] * t), i64(list(range(t))), meta)
+                self.fused(i64([1] * t), i64(list(range(t))), meta)
             if isinstance(hidden, tuple):
                 hidden = hidden[0]
             self.model.compute_logits(hidden[-1:])
@@ -154,8 +154,8 @@ class ModelRunner:
             self.step_hook(ids, positions, slots, tables, seq_lens, starts, rows)
         meta = AttentionMetadata(slot_mapping=t(slots), block_tables=t(tables), seq_lens=t(seq_lens),
                                  query_start_loc=t(starts), max_query_len=max(batch.num_new_tokens))
-        if self.fused is not None and meta.max_query_len <= fused.MAX_SPAN:
-            hidden = fused.run(self.fused, t(ids), t(positions), meta)  # [T, H], one C++ call
+        if self.fused is not None and self.fused.takes(meta, len(ids)):
+            hidden = self.fused(t(ids), t(positions), meta)  # [T, H], one C++ call
             self.fused_steps += 1
         else:
             with forward_context(meta, self.kv_caches, self.kv_scales):

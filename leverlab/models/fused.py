@@ -29,14 +29,14 @@ MAX_SPAN = KERNEL_MAX_SPAN
 
 
 def _linear(layer) -> tuple[int, list]:
-    """(kind, [weight, scale, bias]) for the C++ side: 0 float weight, 1 int8 weight + per-row scale."""
+    """(kind, [weight, scale, bias]) for the C++ side: 0 float, 1 int8, 2 int4 (QuantMethod.fused_weights)."""
     method = layer.quant_method
     if method is None:
         return 0, [layer.weight, None, layer.bias]
-    fused = getattr(method, "fused_weights", None)
-    if fused is None:
-        raise _NotFused(f"quantization method {method.name!r} has no fused kernel")
-    return fused(layer)
+    weights = method.fused_weights(layer)
+    if weights is None:
+        raise _NotFused(f"quantization method {method.name!r} has no fused kernel for this layer")
+    return weights
 
 
 class _NotFused(Exception):
@@ -69,22 +69,33 @@ def _build(model: CausalLM, kv_caches, kv_cache_dtype: str, tp_size: int):
         tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                    attn.q_norm.weight if attn.q_norm is not None else None,
                    attn.k_norm.weight if attn.k_norm is not None else None]
+        dtype = model.model.embed_tokens.weight.dtype
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             kind, ts = _linear(lin)
+            if kind == 0 and ts[0].dtype != dtype:
+                raise _NotFused("weights in mixed float dtypes")
             kinds.append(kind)
             tensors += ts
-        dtype = model.model.embed_tokens.weight.dtype
-        if any(t is not None and t.is_floating_point() and t.dtype != dtype and t.dim() > 1 for t in tensors):
-            raise _NotFused("weights in mixed float dtypes")
         layers.append([t.data if t is not None else None for t in tensors])
         windows.append(attn.window)
     rotary = model.model.layers[0].self_attn.rotary
     norm = model.model.norm
-    return kern.FusedDecoder(model.model.embed_tokens.weight.data, norm.weight.data, rotary.cos, rotary.sin,
-                             layers, kinds, windows, list(kv_caches), cfg.num_heads, cfg.num_kv_heads,
-                             cfg.head_dim, float(norm.eps), float(model.model.layers[0].self_attn.scale))
+    dec = kern.FusedDecoder(model.model.embed_tokens.weight.data, norm.weight.data, rotary.cos, rotary.sin,
+                            layers, kinds, windows, list(kv_caches), cfg.num_heads, cfg.num_kv_heads,
+                            cfg.head_dim, float(norm.eps), float(model.model.layers[0].self_attn.scale))
+    # Quantized linears stream up to 8 rows; past that the module path's batched kernels (fbgemm) win.
+    return FusedForward(dec, max_tokens=8 if any(kinds) else None)
 
 
-def run(fused, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """ids, positions [T] -> the final normed hidden states [T, H], exactly as CausalLM.forward returns them."""
-    return fused.forward(ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+class FusedForward:
+    def __init__(self, dec, max_tokens: int | None):
+        self.dec, self.max_tokens = dec, max_tokens
+
+    def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether this step is short enough for the fused path."""
+        return meta.max_query_len <= MAX_SPAN and (self.max_tokens is None or num_tokens <= self.max_tokens)
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """ids, positions [T] -> the final normed hidden states [T, H], as CausalLM.forward returns them."""
+        return self.dec.forward(ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                meta.query_start_loc)

@@ -80,6 +80,11 @@ class QuantMethod:
         """[out, in] float32: the weight that `apply` effectively multiplies by."""
         raise NotImplementedError
 
+    def fused_weights(self, layer: nn.Module) -> tuple[int, list] | None:
+        """(kind, [weight, scale, bias]) for the fused decode path's streaming kernels (models/fused.py,
+        csrc/quant_linear.cpp), or None: no such kernel for this layer, and the model keeps the module path."""
+        return None
+
     def bytes_read(self, layer: nn.Module, rows: int) -> int:
         """Bytes of this layer's tensors that one matmul of `rows` rows reads (default: all of them)."""
         return sum(p.numel() * p.element_size() for p in layer.parameters())

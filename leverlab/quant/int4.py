@@ -20,6 +20,7 @@ import torch
 
 from leverlab.quant import int8_gemm
 from leverlab.quant.base import QuantMethod, flatten, set_param, shard_rows
+from leverlab.quant.int8 import STREAMING_MAX_ROWS, streaming_kernels
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -34,6 +35,16 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     zeros = torch.round(-wmin / scales).clamp(0, 15)
     q = (torch.round(g / scales[..., None]) + zeros[..., None]).clamp(0, 15)
     return q.reshape(out, k).to(torch.uint8), scales, zeros.to(torch.uint8)
+
+
+def pack_int4_streaming(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                        group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The streaming kernel's layout: (packed [out, in/2] uint8, [2, out, in/g] float32 of s and s * z).
+    Per 32-weight block, byte i holds weight i (low nibble) and weight 16 + i (high nibble)."""
+    out, k = q.shape
+    blocks = q.to(torch.uint8).reshape(out, k // 32, 2, 16)
+    packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out, k // 2).contiguous()
+    return packed, torch.stack([scales, scales * zeros.float()]).contiguous()
 
 
 def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -135,6 +146,11 @@ class Int4Method(QuantMethod):
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
         set_param(layer, "qweight", packed)
         set_param(layer, "scales_and_zeros", sz)  # [in/g, out, 2]
+        # Our streaming kernel (csrc/quant_linear.cpp) for up to 8 rows on the CPU, in its own layout: aten's
+        # int4 kernel is compute-bound at a row (about half the rate our bf16 kernel reads at).
+        layer.q4 = None
+        if streaming_kernels(q.device) is not None and getattr(layer, "q_perm", None) is None:
+            layer.q4 = pack_int4_streaming(q, s.float(), z, self.group_size)
         layer.int8_key = None
         from leverlab.quant.int8 import quantize_int8, use_int8_gemm
 
@@ -144,6 +160,10 @@ class Int4Method(QuantMethod):
 
     def apply(self, layer, x: torch.Tensor, batched_path: bool = True) -> torch.Tensor:
         x2 = flatten(x)
+        q4 = getattr(layer, "q4", None)
+        if q4 is not None and batched_path and x2.shape[0] <= STREAMING_MAX_ROWS:
+            y = streaming_kernels(x.device).int4_linear(x2, q4[0], q4[1][0], q4[1][1], self.group_size, layer.bias)
+            return y.view(*x.shape[:-1], layer.out_features)
         perm = getattr(layer, "q_perm", None)
         if perm is not None:
             x2 = x2[:, perm]
@@ -161,8 +181,14 @@ class Int4Method(QuantMethod):
             y = y + layer.bias
         return y.view(*x.shape[:-1], layer.out_features)
 
+    def fused_weights(self, layer) -> tuple[int, list] | None:
+        q4 = getattr(layer, "q4", None)
+        return (2, [q4[0], q4[1], layer.bias]) if q4 is not None else None
+
     def bytes_read(self, layer, rows: int) -> int:
         bias = layer.bias.numel() * layer.bias.element_size() if layer.bias is not None else 0
+        if getattr(layer, "q4", None) is not None and rows <= STREAMING_MAX_ROWS:
+            return layer.q4[0].numel() + layer.q4[1].numel() * 4 + bias
         if getattr(layer, "int8_key", None) is not None and rows >= self.w8a8_min_rows:
             return layer.out_features * (layer.in_features + 4) + bias  # the packed int8 copy + fp32 scales
         return sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scales_and_zeros)) + bias

@@ -2,8 +2,11 @@
 
 W ~= q * s[:, None], q int8 in [-127, 127], s = max|W_row| / 127.
 
-Kernels, CPU with bf16/fp16 activations (the engine's default):
-  from `w8a8_min_rows` rows on (default 1: always): fbgemm's int8 x int8 GEMM (int8_gemm.py) with the
+Kernels, CPU:
+  up to 8 rows (decode, verification): our streaming weight-only kernel (layers/csrc/quant_linear.cpp), which
+  widens each weight in registers and reads the int8 matrix at memory speed; the fused decode path calls it
+  too. It keeps the plain [out, in] copy (1 byte per weight) next to fbgemm's packed one.
+  With bf16/fp16 activations, from `w8a8_min_rows` rows on (default 1: always): fbgemm's int8 x int8 GEMM (int8_gemm.py) with the
   activations quantized per row on the fly. This is W8A8 arithmetic: one extra rounding of each activation
   (relative 1/255 of its row's largest). It is the default because it is the kernel that makes int8 faster
   than the compiled bf16 path at one row and at sixteen (scripts/bench_quant_kernels.py); on the bundled
@@ -28,6 +31,18 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
     q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scales
+
+
+STREAMING_MAX_ROWS = 8  # rows up to which our streaming kernels beat the batched GEMMs
+
+
+def streaming_kernels(device: torch.device):
+    """The C++ kernels' module when the streaming int8/int4 kernels can run on `device`, else None."""
+    if device.type != "cpu":
+        return None
+    from leverlab.layers import cpu_kernels
+
+    return cpu_kernels.kernels()
 
 
 def use_int8_gemm(layer, dtype: torch.dtype, device: torch.device) -> bool:
@@ -78,6 +93,9 @@ class Int8Method(QuantMethod):
             q, scales = quantize_int8(layer.weight.data)
             set_param(layer, "weight", None)
         layer.int8_key = None
+        # Our streaming weight-only kernel (csrc/quant_linear.cpp) serves up to 8 rows on the CPU: decode reads
+        # the int8 weight at memory speed with the activations untouched. It needs the plain [out, in] copy.
+        layer.q8 = (q.contiguous(), scales.float().contiguous()) if streaming_kernels(q.device) else None
         if self.w8a8_min_rows is not None and use_int8_gemm(layer, layer.params_dtype, q.device):
             layer.int8_key = int8_gemm.pack(layer, q, scales)
             if self.w8a8_min_rows <= 1:  # the packed copy serves every batch size: drop the plain one
@@ -90,6 +108,9 @@ class Int8Method(QuantMethod):
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         x2 = flatten(x)
+        if layer.q8 is not None and x2.shape[0] <= STREAMING_MAX_ROWS:
+            y = streaming_kernels(x.device).int8_linear(x2, *layer.q8, layer.bias)
+            return y.view(*x.shape[:-1], layer.out_features)
         if layer.int8_key is not None and x2.shape[0] >= self.w8a8_min_rows:
             y = int8_gemm.int8_linear(x2, layer.int8_key, layer.out_features)
         elif x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
@@ -100,6 +121,9 @@ class Int8Method(QuantMethod):
             y = y + layer.bias
         return y.view(*x.shape[:-1], layer.out_features)
 
+    def fused_weights(self, layer) -> tuple[int, list] | None:
+        return (1, [*layer.q8, layer.bias]) if layer.q8 is not None else None
+
     def dequantize(self, layer) -> torch.Tensor:
         if layer.qweight is None:
             q, scales = int8_gemm.unpack(layer.int8_key)
@@ -108,6 +132,8 @@ class Int8Method(QuantMethod):
 
     def bytes_read(self, layer, rows: int) -> int:
         bias = layer.bias.numel() * layer.bias.element_size() if layer.bias is not None else 0
+        if layer.q8 is not None and rows <= STREAMING_MAX_ROWS:
+            return layer.q8[0].numel() + 4 * layer.out_features + bias
         if layer.int8_key is not None and rows >= self.w8a8_min_rows:
             return layer.out_features * (layer.in_features + 4) + bias  # the packed int8 weight + fp32 scales
         return layer.qweight.numel() + layer.scales.numel() * layer.scales.element_size() + bias

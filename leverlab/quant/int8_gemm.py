@@ -21,6 +21,22 @@ import weakref
 import torch
 
 AVAILABLE = "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def _has_vnni() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags
+
+
+# Without VNNI (AVX2: Zen 2/3, Haswell..Skylake client) fbgemm multiplies u8 activations by s8 weights with
+# vpmaddubsw, whose int16 pair sums saturate past 32767 (2 * 255 * 127 overflows): measured here, errors of 15%
+# of the output's range. reduce_range quantizes activations to 7 bits (2 * 127 * 127 fits), as PyTorch's own
+# dynamic quantization does on such CPUs.
+REDUCE_RANGE = not _has_vnni()
 _PACKED: dict[int, object] = {}  # key -> fbgemm LinearPackedParams (the op takes a key: ScriptObjects do not trace)
 _KEYS = itertools.count()
 
@@ -48,7 +64,7 @@ def int8_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
     """x [M, K] (any float dtype) -> x W^T [M, N] in x's dtype, activations quantized per row."""
     xf = x.float()
     r = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)  # [M, 1]
-    y = torch.ops.quantized.linear_dynamic(xf / r, _PACKED[key], False)
+    y = torch.ops.quantized.linear_dynamic(xf / r, _PACKED[key], REDUCE_RANGE)
     return (y * r).to(x.dtype)
 
 

@@ -39,7 +39,7 @@ def both_paths(model, dtype, spans, context=20):
         expected = model(ids, positions)
     dec = fused.fused_decoder(model, fused_caches, "auto", 1)
     assert dec is not None
-    got = fused.run(dec, ids, positions, meta)
+    got = dec(ids, positions, meta)
     for a, b in zip(module_caches, fused_caches):  # the new K/V went to the same slots
         torch.testing.assert_close(a, b, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
     return expected, got
@@ -79,7 +79,17 @@ def test_engine_tokens_identical_with_and_without_fused_path(checkpoint_factory,
 def test_fused_path_declines_what_it_does_not_run(checkpoint_factory):
     path = checkpoint_factory("qwen3")
     assert LLM(path, dtype="float32", kv_cache_dtype="int8").engine.runner.fused is None  # quantized KV cache
-    assert LLM(path, dtype="float32", quantization="int4").engine.runner.fused is None  # no fused int4 kernel
+    assert LLM(path, dtype="float32", quantization="fp8").engine.runner.fused is None  # no fused fp8 kernel
+
+
+@pytest.mark.parametrize("method", ("int8", "int4", "int4-g32"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_fused_forward_matches_modules_quantized(checkpoint_factory, method, dtype):
+    """The quantized layers' streaming kernels, called from C++ and from the modules, agree."""
+    model = load_model(checkpoint_factory("qwen2"), str(dtype).split(".")[1], quantization=method)
+    expected, got = both_paths(model, dtype, [1, 2, 1])
+    tol = 1e-5 if dtype == torch.float32 else 3e-2 * expected.abs().max().item()
+    torch.testing.assert_close(got, expected, atol=tol, rtol=1e-5 if dtype == torch.float32 else 0)
 
 
 def test_int8_kernel_matches_dequantized_weight():
@@ -94,3 +104,17 @@ def test_int8_kernel_matches_dequantized_weight():
             torch.testing.assert_close(kern.int8_linear(x, w, s, b), expected, atol=1e-4, rtol=1e-4)
             got16 = kern.int8_linear(x.bfloat16(), w, s, None).float()
             assert (got16 - (expected - b)).abs().max() < 0.02 * expected.abs().max()
+
+
+def test_int4_kernel_matches_dequantized_weight():
+    from leverlab.quant.int4 import dequantize_int4, pack_int4_streaming, quantize_int4
+
+    kern = cpu_kernels.kernels()
+    torch.manual_seed(0)
+    for m in (1, 3, 8, 9):
+        for n, k, g in ((64, 64, 32), (37, 128, 64), (96, 384, 128)):
+            x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+            q, s, z = quantize_int4(w, g)
+            packed, sz = pack_int4_streaming(q, s, z, g)
+            expected = x @ dequantize_int4(q, s, z, g).t() + b
+            torch.testing.assert_close(kern.int4_linear(x, packed, sz[0], sz[1], g, b), expected, atol=1e-4, rtol=1e-4)

@@ -26,8 +26,9 @@ bool has_skinny_linear();
 
 namespace {
 
-// A linear layer as the fused path sees it. kind 0: float weight [N, K]; kind 1: int8 weight [N, K] with one
-// float32 scale per output row, dequantized in registers (int8_linear in quant_linear.cpp).
+// A linear layer as the fused path sees it (the kernels are in quant_linear.cpp). kind 0: float weight [N, K];
+// 1: int8 weight [N, K] with a float32 scale per output row; 2: int4 packed [N, K/2] with float32 scales and scaled
+// zeros [N, K/g] (both in `scale`, stacked [2, N, K/g]). Kinds >= 2 also carry the group size.
 struct Lin {
   int64_t kind = 0;
   at::Tensor w, scale, bias;  // bias may be undefined
@@ -43,12 +44,18 @@ struct Layer {
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& szeros, int64_t group, const c10::optional<at::Tensor>& bias);
 
 namespace {
 
 at::Tensor apply(const Lin& l, const at::Tensor& x) {
   c10::optional<at::Tensor> b = l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt;
   if (l.kind == 1) return int8_linear(x, l.w, l.scale, b);
+  if (l.kind == 2) {  // the group size: K / (number of groups)
+    const int64_t groups = l.scale.size(2);
+    return int4_linear(x, l.w, l.scale[0], l.scale[1], x.size(1) / groups, b);
+  }
   if (x.scalar_type() == at::kBFloat16 && l.w.scalar_type() == at::kBFloat16 && x.size(0) <= 8 && has_skinny_linear())
     return skinny_linear(x, l.w, b);
   return at::linear(x, l.w, b);

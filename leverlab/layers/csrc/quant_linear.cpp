@@ -129,3 +129,99 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   });
   return y;
 }
+
+// ---- int4: W ~= q * s - s * z per group of g input channels (q, z in 0..15), packed two to a byte.
+// Layout (quant/int4.py: pack_int4_fused): per 32-weight block of a row, 16 bytes; byte i holds weight i in its
+// low nibble and weight 16 + i in its high one, so the two nibble planes widen in order with no shuffles.
+// A group's dot product is s * sum(q x) - s z * sum(x): the zero point costs one term per group, with the
+// group sums of x computed once per call.
+
+namespace {
+
+#if defined(__AVX2__) && defined(__FMA__)
+// sum over one 32-weight block of q[i] * x[i], into 4 accumulators.
+inline void block32(const uint8_t* b, const float* x, __m256& a0, __m256& a1, __m256& a2, __m256& a3) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+  a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_loadu_ps(x), a0);
+  a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), _mm256_loadu_ps(x + 8), a1);
+  a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_loadu_ps(x + 16), a2);
+  a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), _mm256_loadu_ps(x + 24), a3);
+}
+#endif
+
+inline float q_dot(const uint8_t* b, const float* x, int64_t n) {  // n weights (a multiple of 32)
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t k = 0; k < n; k += 32) block32(b + k / 2, x + k, a0, a1, a2, a3);
+  return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#else
+  float s = 0.f;
+  for (int64_t k = 0; k < n; k += 32)
+    for (int i = 0; i < 16; ++i)
+      s += static_cast<float>(b[k / 2 + i] & 15) * x[k + i] + static_cast<float>(b[k / 2 + i] >> 4) * x[k + 16 + i];
+  return s;
+#endif
+}
+
+template <typename T>
+void int4_rows(const at::Tensor& x, const uint8_t* w, const float* s, const float* sz, int64_t g, const float* bias,
+               T* y, int64_t N, int64_t K) {
+  const int64_t M = x.size(0), G = K / g;
+  std::vector<float> xs(M * K), xsum(M * G, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    const T* xr = x.data_ptr<T>() + m * x.stride(0);
+    for (int64_t k = 0; k < K; ++k) {
+      xs[m * K + k] = static_cast<float>(xr[k]);
+      xsum[m * G + k / g] += xs[m * K + k];
+    }
+  }
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wr = w + n * (K / 2);
+      __builtin_prefetch(wr + 2048);
+      for (int64_t m = 0; m < M; ++m) {
+        float acc = 0.f;
+        for (int64_t j = 0; j < G; ++j)
+          acc += s[n * G + j] * q_dot(wr + j * g / 2, xs.data() + m * K + j * g, g) - sz[n * G + j] * xsum[m * G + j];
+        y[m * N + n] = static_cast<T>(acc + (bias ? bias[n] : 0.f));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [M, K], packed [N, K / 2] uint8 (the layout above), scales and scaled zeros (s * z) [N, K / g] float32 ->
+// [M, N] in x's dtype. Up to 8 rows stream; more rows dequantize the weight and take aten's matmul.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& szeros, int64_t group, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) == 2 * packed.size(1), "int4_linear: x [M, K], w [N, K/2]");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "int4_linear: contiguous uint8 weight");
+  const int64_t M = x.size(0), N = packed.size(0), K = x.size(1);
+  TORCH_CHECK(group % 32 == 0 && K % group == 0, "int4_linear: the group size is a multiple of 32 dividing K");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && szeros.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  szeros.is_contiguous() && scales.numel() == N * (K / group) && szeros.numel() == scales.numel(),
+              "int4_linear: float32 scales and scaled zeros [N, K / group]");
+  at::Tensor b32;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    b32 = bias->to(at::kFloat).contiguous();
+    bp = b32.data_ptr<float>();
+  }
+  if (M > 8 || x.stride(1) != 1) {
+    auto p = packed.view({N, K / 32, 16});
+    auto q = at::cat({at::bitwise_and(p, 15), at::bitwise_right_shift(p, 4)}, 2).view({N, K}).to(at::kFloat);
+    auto w = (q.view({N, K / group, group}) * scales.view({N, K / group, 1}) - szeros.view({N, K / group, 1}));
+    at::Tensor y = at::mm(x.to(at::kFloat), w.view({N, K}).t());
+    if (bp) y = y + b32;
+    return y.to(x.scalar_type());
+  }
+  auto y = at::empty({M, N}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int4_linear", [&] {
+    int4_rows<scalar_t>(x, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), szeros.data_ptr<float>(), group, bp,
+                        y.data_ptr<scalar_t>(), N, K);
+  });
+  return y;
+}
