@@ -24,6 +24,17 @@ class Detokenizer:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        # The Rust tokenizer behind a fast Hugging Face tokenizer decodes the same text without the Python
+        # wrapper's per-call argument handling (measured: ~0.1 ms of a ~2 ms decode step on the bundled model,
+        # two calls per token). Only when the wrapper would not post-process (clean_up_tokenization_spaces).
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._backend = backend if backend is not None and not getattr(
+            tokenizer, "clean_up_tokenization_spaces", False) else None
+
+    def decode(self, ids: list[int], skip_special: bool) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=skip_special)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
 
     def start(self, prompt_ids: list[int]) -> DetokState:
         # Seed the window with the prompt's tail, so the first output token decodes in context
@@ -36,8 +47,8 @@ class Detokenizer:
 
     def step(self, state: DetokState, all_ids: list[int], skip_special: bool) -> str:
         """all_ids = window(prompt, outputs). Returns the newly decoded text."""
-        prefix = self.tokenizer.decode(all_ids[state.prefix_offset : state.read_offset], skip_special_tokens=skip_special)
-        full = self.tokenizer.decode(all_ids[state.prefix_offset :], skip_special_tokens=skip_special)
+        prefix = self.decode(all_ids[state.prefix_offset : state.read_offset], skip_special)
+        full = self.decode(all_ids[state.prefix_offset :], skip_special)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             new = full[len(prefix):]
             state.prefix_offset, state.read_offset = state.read_offset, len(all_ids)

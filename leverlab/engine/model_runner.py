@@ -164,7 +164,10 @@ class ModelRunner:
         if isinstance(hidden, tuple):  # EAGLE: (hidden, aux [T, A*H])
             hidden, aux = hidden
         # Sampling runs on the host (per-sequence CPU generators): logits are small next to the weights.
-        logits = self.model.compute_logits(hidden[t(rows)]).cpu() if rows else torch.empty(0, 0)
+        if not prompt_rows and len(sample_rows) == len(ids):  # every row, in order (sample rows ascend): decode
+            logits = self.model.compute_logits(hidden).cpu()
+        else:
+            logits = self.model.compute_logits(hidden[t(rows)]).cpu() if rows else torch.empty(0, 0)
         prompt_logits, off = [], len(sample_rows)
         for seq, first, _, k in prompt_rows:
             prompt_logits.append((seq, first, logits[off:off + k]))

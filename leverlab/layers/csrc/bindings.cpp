@@ -7,6 +7,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         int64_t window);
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 bool has_skinny_linear();
+int64_t skinny_max_rows();
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -17,6 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "write the new K/V, then attention of short query spans (decode, verification) over the paged KV cache");
   m.def("skinny_linear", &skinny_linear, "y = x W^T (+ b) in bfloat16 for 1..8 rows (AVX-512 BF16 or AVX2)");
   m.def("has_skinny_linear", &has_skinny_linear, "whether this build has the streaming bf16 linear (AVX-512 BF16 or AVX2)");
+  m.def("skinny_max_rows", &skinny_max_rows, "the most activation rows the streaming bf16 linear takes (0: none)");
   m.def("int8_linear", &int8_linear, "y = (x W^T) * s (+ b) for int8 W [N, K], float32 s [N]; streaming for 1..8 rows");
   m.def("int4_linear", &int4_linear, "y = x W^T (+ b) for int4 W (packed [N, K/2], scales and s*z [N, K/g]); streaming for 1..8 rows");
   bind_fused_decoder(m);

@@ -23,6 +23,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         int64_t window);
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 bool has_skinny_linear();
+int64_t skinny_max_rows();
 
 namespace {
 
@@ -56,7 +57,7 @@ at::Tensor apply(const Lin& l, const at::Tensor& x) {
     const int64_t groups = l.scale.size(2);
     return int4_linear(x, l.w, l.scale[0], l.scale[1], x.size(1) / groups, b);
   }
-  if (x.scalar_type() == at::kBFloat16 && l.w.scalar_type() == at::kBFloat16 && x.size(0) <= 8 && has_skinny_linear())
+  if (x.scalar_type() == at::kBFloat16 && l.w.scalar_type() == at::kBFloat16 && x.size(0) <= skinny_max_rows())
     return skinny_linear(x, l.w, b);
   return at::linear(x, l.w, b);
 }
@@ -209,6 +210,8 @@ void bind_fused_decoder(pybind11::module& m) {
                           std::vector<std::vector<c10::optional<at::Tensor>>>, std::vector<int64_t>,
                           std::vector<int64_t>, std::vector<at::Tensor>, int64_t, int64_t, int64_t, double,
                           double>())
-      .def("forward", &FusedDecoder::forward, "ids, positions, slot_mapping, block_tables, seq_lens, "
-           "query_start_loc -> final normed hidden [T, H]");
+      // The GIL is released for the forward: the server's event loop (another thread) writes the previous
+      // step's tokens to their streams while this step computes, instead of waiting for it.
+      .def("forward", &FusedDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc -> final normed hidden [T, H]");
 }

@@ -21,6 +21,7 @@
 #include <immintrin.h>
 
 bool has_skinny_linear() { return true; }
+int64_t skinny_max_rows() { return 8; }
 
 namespace {
 
@@ -114,6 +115,7 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#define SKINNY_AVX2_MAX_ROWS 32
 
 // AVX2 + FMA (Zen 2/3, Haswell and later): no bf16 dot product, so the kernel widens the weights to float32 in
 // registers. A 32-bit lane holding bf16 elements (2i, 2i+1) gives element 2i+1 as a float by masking off the low
@@ -122,6 +124,9 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
 // chunk costs one load, two integer ops and 2 * M FMAs, and stays ahead of one core's memory stream.
 
 bool has_skinny_linear() { return true; }
+// Rows are taken 4 at a time, each weight row re-read from L1 for the next 4, so past a few rows the kernel is
+// a compute-bound GEMM; it stays ahead of aten's bf16 GEMM (emulated without AVX-512 BF16) up to this many.
+int64_t skinny_max_rows() { return SKINNY_AVX2_MAX_ROWS; }
 
 namespace {
 
@@ -210,7 +215,7 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "skinny_linear: bfloat16");
   TORCH_CHECK(x.stride(1) == 1 && w.is_contiguous(), "skinny_linear: contiguous rows");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
-  TORCH_CHECK(M >= 1 && M <= 8, "skinny_linear: 1..8 rows");
+  TORCH_CHECK(M >= 1 && M <= skinny_max_rows(), "skinny_linear: 1..", skinny_max_rows(), " rows");
   auto y = torch::empty({M, N}, x.options());
   torch::Tensor b32;
   const float* bp = nullptr;
@@ -246,6 +251,7 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
 #else  // neither AVX-512 BF16 nor AVX2: callers check has_skinny_linear() and keep aten's linear
 
 bool has_skinny_linear() { return false; }
+int64_t skinny_max_rows() { return 0; }
 
 torch::Tensor skinny_linear(torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>) {
   TORCH_CHECK(false, "skinny_linear needs AVX-512 BF16 or AVX2 + FMA");
@@ -254,11 +260,11 @@ torch::Tensor skinny_linear(torch::Tensor, torch::Tensor, c10::optional<torch::T
 #endif
 
 #if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
-// The op that models call (leverlab_cpu::linear_bf16): our kernel for 1..8 contiguous rows, aten's linear for
+// The op that models call (leverlab_cpu::linear_bf16): our kernel for 1..skinny_max_rows() contiguous rows, aten's linear for
 // anything else (prefill chunks, larger batches). Registered with the dispatcher in C++ so that a call costs
 // about a microsecond: the same op defined in Python cost ~8 us per call, ~0.8 ms of a 0.6B decode step.
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
-  if (x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 8 && x.stride(1) == 1 && w.is_contiguous() &&
+  if (x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= skinny_max_rows() && x.stride(1) == 1 && w.is_contiguous() &&
       x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16)
     return skinny_linear(x, w, bias);
   return at::linear(x, w, bias);
