@@ -34,8 +34,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     speculative_config: dict | None = None
     tensor_parallel_size: int = 1  # > 1: one process per rank (leverlab/distributed, docs/tensor-parallel.md)
-    # "compiled": torch.compile fast path (default, cached on disk); "eager": no compilation (tests).
-    execution_mode: str = field(default_factory=lambda: env.get("LEVERLAB_EXECUTION_MODE", "compiled"))
+    # "eager" (default): no compilation; decode steps take the fused C++ forward (models/fused.py) either way.
+    # "compiled": Inductor compiles the module path too (long prefill chunks), at a start-up cost of 40 s to
+    # minutes per model and precision (cached on disk): on the bundled model it measured no faster.
+    execution_mode: str = field(default_factory=lambda: env.get("LEVERLAB_EXECUTION_MODE", "eager"))
     num_threads: int | None = None  # per rank; None: all cores (cores // tensor_parallel_size per rank)
     seed: int = 0
 

@@ -50,7 +50,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="ranks (one process each) that split every layer (default 1; docs/tensor-parallel.md)")
     g.add_argument("--execution-mode", choices=("compiled", "eager"), default=None,
-                   help="compiled (default: torch.compile, cached on disk) or eager")
+                   help="eager (default; decode runs the fused C++ forward) or compiled (Inductor for the "
+                   "module path, i.e. long prefill chunks; cached on disk)")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads per rank (default: by model size, cores // tensor-parallel size)")
     g.add_argument("--seed", type=int, default=None)
 

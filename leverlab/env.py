@@ -3,7 +3,7 @@
 | variable                      | effect                                                                  |
 |-------------------------------|-------------------------------------------------------------------------|
 | LEVERLAB_CACHE                | cache root: C++ kernels, Inductor's code, llama.cpp builds (~/.cache/leverlab) |
-| LEVERLAB_EXECUTION_MODE       | default --execution-mode: compiled or eager (the tests set eager)       |
+| LEVERLAB_EXECUTION_MODE       | default --execution-mode: eager (the default) or compiled               |
 | LEVERLAB_COMPILE_MODE         | torch.compile mode of the compiled path (max-autotune-no-cudagraphs)    |
 | LEVERLAB_WEIGHT_PREPACK=1     | let Inductor prepack weights with oneDNN (off: it defeats the FX cache) |
 | LEVERLAB_NO_CPP_KERNELS=1     | never build or use our C++ kernels (the plain PyTorch paths)            |

@@ -21,9 +21,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
                         int64_t window);
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
-bool has_skinny_linear();
-int64_t skinny_max_rows();
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
 
 namespace {
 
@@ -57,9 +55,7 @@ at::Tensor apply(const Lin& l, const at::Tensor& x) {
     const int64_t groups = l.scale.size(2);
     return int4_linear(x, l.w, l.scale[0], l.scale[1], x.size(1) / groups, b);
   }
-  if (x.scalar_type() == at::kBFloat16 && l.w.scalar_type() == at::kBFloat16 && x.size(0) <= skinny_max_rows())
-    return skinny_linear(x, l.w, b);
-  return at::linear(x, l.w, b);
+  return linear_bf16(x, l.w, b);  // our streaming kernel for bf16 rows it takes, else the best GEMM here
 }
 
 // y = w * cast(x * rsqrt(mean(x^2) + eps)) over the last dim of n rows of `dim` elements, as RMSNorm.forward.
