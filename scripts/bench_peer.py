@@ -1,0 +1,469 @@
+"""Peer benchmark: LeverLab against llama.cpp on the same weights, in one run.
+
+The checkpoint is converted to GGUF with llama.cpp's own converter (bf16; Q8_0 and Q4_0 by llama-quantize) and
+each precision is measured against ours (bf16, --quantization int8, int4), one engine at a time, in interleaved
+rounds with the same thread count; the best round of each counts (the least disturbed on a shared machine):
+
+  decode     single-stream decode after a 128-token prompt, 64 tokens: llama-bench -d 128 -n 64 against
+             LLM.generate (tokens after the first over first -> last token time)
+  prefill    a 128-token prompt: llama-bench -p 128 against 128 / TTFT of LLM.generate
+  decode@16  16 sequences together: llama-batched-bench -npp 128 -ntg 64 -npl 16 against LLM.generate of 16
+             prompts (aggregate decode tok/s)
+  servers    `leverlab serve` and `llama-server -np 16 -cb`, each alone, driven by `leverlab bench` on the decode
+             bucket: median per-request decode tok/s at concurrency 1, output tok/s at 16
+
+llama.cpp's bench tools feed random tokens and never sample; the in-process figures of ours include sampling
+and detokenization, the servers' figures include everything on both sides. Each of our precisions runs in a
+process of its own (see `Ours`). Read the ratios, measured in this run; the machine is shared and the absolute
+figures drift. The table also gives each decode rate's share of its engine's bandwidth roofline; raw figures
+and settings go to results/bench_peer-<time>.json. llama.cpp is built once into the cache
+(leverlab/bench/peer_llamacpp.py says how and why).
+
+    python scripts/bench_peer.py [--model DIR] [--precisions bf16,int8,int4] [--rounds 3] [--threads 1]
+                                 [--no-servers] [--llamacpp-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_decode import aggregate_decode  # noqa: E402
+from bench_quant import step_weight_bytes  # noqa: E402
+
+from leverlab.bench import peer_llamacpp as peer  # noqa: E402
+from leverlab.study.bandwidth import measure_bandwidth  # noqa: E402
+
+# measurement -> (label, tokens one step yields, for the roofline: "batch" = --batch; None: no roofline).
+# The keys say 16, the default --batch; the labels say the batch used.
+MEASUREMENTS = {
+    "decode": ("decode, 1 sequence", 1),
+    "prefill": ("prefill", None),
+    "decode16": ("decode, {batch} sequences", "batch"),
+    "server_c1": ("server decode, c=1", 1),
+    "server_c16": ("server output, c={batch}", None),
+}
+OURS, THEIRS = "leverlab", "llamacpp"
+
+
+def tail_text(text: str, lines: int = 15) -> str:
+    return "\n".join(("    " + ln) for ln in (text or "").strip().splitlines()[-lines:])
+
+
+def run_peer_tool(cmd: list, timeout: float = 900) -> str | None:
+    """stdout of a llama.cpp tool, or None after printing why it failed (the run goes on without it)."""
+    try:
+        p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"    {Path(str(cmd[0])).name} failed: {e}", flush=True)
+        return None
+    if p.returncode != 0:
+        print(f"    {Path(str(cmd[0])).name} exited {p.returncode}; stderr tail:\n{tail_text(p.stderr)}", flush=True)
+        return None
+    return p.stdout
+
+
+class OursEngine:
+    """Our engine at one precision: loaded and warmed once (inside an `Ours` worker process)."""
+
+    def __init__(self, model: str, precision: str, args):
+        from leverlab import LLM, SamplingParams
+
+        t0 = time.perf_counter()
+        mode = {"execution_mode": args.execution_mode} if args.execution_mode else {}  # else the engine's default
+        self.llm = LLM(model, dtype="bfloat16", quantization=None if precision == "bf16" else precision,
+                       num_threads=args.threads, **mode, max_num_seqs=args.batch,
+                       max_num_batched_tokens=max(512, args.prefill_len, args.prompt_len),
+                       max_model_len=max(args.prompt_len, args.prefill_len) + args.decode_len + 16,
+                       enable_prefix_caching=False)
+        self.params = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        self.llm.generate([[7] * args.prompt_len] * args.batch, self.params(4))  # compile / warm every shape
+        self.llm.generate([[7] * args.prefill_len], self.params(4))
+        self.setup_s = time.perf_counter() - t0
+        self.mode = self.llm.engine.config.execution_mode
+        self.weight_bytes = step_weight_bytes(self.llm.engine.runner.model, 1)
+
+    def measure(self, key: str, prompts: list[list[int]], decode_len: int) -> float:
+        """tok/s: prefill = prompt tokens / TTFT; decode = tokens after each sequence's first over the span
+        after every sequence had its first (prefill stays out)."""
+        if key == "prefill":
+            (out,) = self.llm.generate(prompts, self.params(1))
+            return len(prompts[0]) / out.metrics.ttft
+        return aggregate_decode(self.llm.generate(prompts, self.params(decode_len)))[0]
+
+
+def _ours_worker(conn, model: str, precision: str, cfg: dict) -> None:
+    try:
+        eng = OursEngine(model, precision, argparse.Namespace(**cfg))
+        conn.send({"setup_s": eng.setup_s, "weight_bytes": eng.weight_bytes, "mode": eng.mode})
+        while (msg := conn.recv()) is not None:
+            conn.send({"tok_s": eng.measure(*msg, cfg["decode_len"])})
+    except Exception as e:  # reported to the parent, which goes on without this precision
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+
+
+class Ours:
+    """OursEngine in a process of its own, idle while the peer runs. Its own process because (compiled mode)
+    torch.compile's caches belong to the process and are keyed on the code, not the model: three models compiled in one process
+    share one recompile budget (8 per function), and the later ones fall back to eager (seen: int4 "warmed" in
+    3 s, slower than int8)."""
+
+    def __init__(self, model: str, precision: str, args):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")  # fork after torch has started threads is unsafe
+        self.conn, child = ctx.Pipe()
+        cfg = {k: getattr(args, k) for k in ("threads", "execution_mode", "batch", "prefill_len", "prompt_len",
+                                              "decode_len")}
+        self.proc = ctx.Process(target=_ours_worker, args=(child, model, precision, cfg), daemon=True)
+        self.proc.start()
+        child.close()
+        reply = self._recv()
+        self.setup_s, self.weight_bytes, self.mode = reply["setup_s"], reply["weight_bytes"], reply["mode"]
+
+    def _recv(self) -> dict:
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise RuntimeError(f"the LeverLab worker died (exit {self.proc.exitcode})") from None
+        if "error" in msg:
+            raise RuntimeError(msg["error"])
+        return msg
+
+    def measure(self, key: str, prompts: list[list[int]]) -> float:
+        self.conn.send((key, prompts))
+        return self._recv()["tok_s"]
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send(None)
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()  # by its pid: the worker we started
+            self.proc.join()
+
+
+def theirs_bench(bins: dict, gguf: Path, threads: int, extra: list) -> dict | None:
+    out = run_peer_tool([bins["llama-bench"], "-m", gguf, "-t", threads, "-r", 1, "-o", "json", *extra])
+    if out is None:
+        return None
+    try:
+        return json.loads(out)[0]
+    except (ValueError, IndexError) as e:
+        print(f"    llama-bench printed no JSON result ({e}):\n{tail_text(out)}", flush=True)
+        return None
+
+
+def theirs_batched(bins: dict, gguf: Path, threads: int, pp: int, tg: int, npl: int) -> dict | None:
+    out = run_peer_tool([bins["llama-batched-bench"], "-m", gguf, "-t", threads, "-npp", pp, "-ntg", tg,
+                         "-npl", npl, "-c", npl * (pp + tg), "--output-format", "jsonl"])
+    if out is None:
+        return None
+    rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+    if not rows:
+        print(f"    llama-batched-bench printed no JSON line:\n{tail_text(out)}", flush=True)
+        return None
+    return rows[-1]
+
+
+def theirs_measure(key: str, bins: dict, gguf: Path, args) -> tuple[float | None, dict | None]:
+    """The same measurement by llama.cpp's own tools: llama-bench for one sequence, llama-batched-bench for many.
+    (tok/s, the tool's raw JSON record, which carries its build commit and CPU too)."""
+    if key == "decode":  # -d: the context filled first (untimed), -p 0: no separate prompt test
+        r = theirs_bench(bins, gguf, args.threads, ["-p", 0, "-n", args.decode_len, "-d", args.prompt_len])
+    elif key == "prefill":
+        r = theirs_bench(bins, gguf, args.threads, ["-p", args.prefill_len, "-n", 0])
+    else:
+        r = theirs_batched(bins, gguf, args.threads, args.prompt_len, args.decode_len, args.batch)
+    return (r and r["speed_tg" if key == "decode16" else "avg_ts"]), r
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(proc: subprocess.Popen, port: int, timeout: float) -> bool:
+    """Until GET /health answers 200 (both servers: llama-server answers 503 while it loads), the process dies,
+    or timeout."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            return False
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return True
+        time.sleep(0.5)
+    return False
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server we started (by its pid), SIGKILL if it does not exit in 30 s."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def serve_and_bench(name: str, cmd: list, port: int, out_dir: Path, args) -> dict | None:
+    """Start one server alone, drive it with `leverlab bench` at c=1 and c=16, always stop it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = out_dir / "server.log"
+    t0 = time.perf_counter()
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        if not wait_ready(proc, port, args.server_start_timeout):
+            print(f"    {name} did not come up (exit {proc.poll()}); log tail ({log}):\n"
+                  f"{tail_text(log.read_text(errors='replace'))}", flush=True)
+            return None
+        start_s = time.perf_counter() - t0
+        bench = [sys.executable, "-m", "leverlab.cli", "bench", "--base-url", f"http://127.0.0.1:{port}/v1",
+                 "--buckets", args.server_bucket, "--output-len", args.server_output_len, "--num-prompts",
+                 args.server_prompts, "--skip-single", "--concurrency", f"1,{args.batch}", "--sweep-rounds", 1,
+                 "--warmup", 2, "--out", out_dir / "bench", "--quiet"]
+        p = subprocess.run([str(c) for c in bench], capture_output=True, text=True, cwd=ROOT)
+        summary = out_dir / "bench" / "summary.json"
+        if p.returncode not in (0, 1) or not summary.exists():  # 1: some requests failed, figures still written
+            print(f"    leverlab bench against {name} exited {p.returncode}:\n{tail_text(p.stderr or p.stdout)}",
+                  flush=True)
+            return None
+        groups = {g["name"]: g for g in json.loads(summary.read_text())["groups"]}
+        c1, cn = groups[f"sweep/{args.server_bucket}/c1"], groups[f"sweep/{args.server_bucket}/c{args.batch}"]
+        res = {"server_c1": c1["decode_tok_s"]["p50"], "server_c16": cn["output_throughput"], "start_s": start_s,
+               "errors": c1["errors"] + cn["errors"],
+               "output_len_mismatches": c1["output_len_mismatches"] + cn["output_len_mismatches"],
+               "input_tokens_mean": c1["input_tokens"]["mean"], "tpot_ms_p50_c1": c1["tpot_ms"]["p50"],
+               "cached_prompt_fraction_c16": cn["cached_prompt_fraction"], "bench_dir": str(out_dir / "bench")}
+        if res["errors"] or res["output_len_mismatches"]:
+            print(f"    {name}: {res['errors']} failed requests, {res['output_len_mismatches']} with another "
+                  f"output length (see {out_dir / 'bench'})", flush=True)
+        return res
+    finally:
+        stop(proc)
+
+
+def server_commands(prec: str, gguf: Path, bins: dict, args) -> dict:
+    port_ours, port_theirs = free_port(), free_port()
+    ours = [sys.executable, "-m", "leverlab.cli", "serve", args.model, "--port", port_ours, "--dtype", "bfloat16",
+            "--num-threads", args.threads, "--max-num-seqs", args.batch, "--drain-timeout", 5]
+    if args.execution_mode:
+        ours += ["--execution-mode", args.execution_mode]
+    if prec != "bf16":
+        ours += ["--quantization", prec]
+    # One slot per client in flight; -c is the whole KV pool, split evenly between the slots.
+    slot = args.server_output_len + 512
+    theirs = [bins["llama-server"], "-m", gguf, "-t", args.threads, "-np", args.batch, "-cb", "-c",
+              args.batch * slot, "--host", "127.0.0.1", "--port", port_theirs, "--metrics"]
+    return {OURS: (ours, port_ours), THEIRS: (theirs, port_theirs)}
+
+
+def keep_best(best: dict, prec: str, engine: str, key: str, value: float | None) -> None:
+    if value is not None:
+        slot = best.setdefault(prec, {}).setdefault(key, {})
+        slot[engine] = max(value, slot.get(engine, 0.0))
+
+
+def parse_args() -> argparse.Namespace:
+    from leverlab.config import default_model_path
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(default_model_path()))
+    ap.add_argument("--precisions", default="bf16,int8,int4", help=f"of {','.join(peer.GGUF_TYPES)}")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each counts")
+    ap.add_argument("--threads", type=int, default=1, help="threads of every engine")
+    ap.add_argument("--prompt-len", type=int, default=128, help="context before decode (llama-bench -d)")
+    ap.add_argument("--decode-len", type=int, default=64)
+    ap.add_argument("--prefill-len", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16, help="sequences for decode@16 and the servers' c=16")
+    ap.add_argument("--execution-mode", default=None, choices=("compiled", "eager"),
+                    help="ours (default: the engine's default)")
+    ap.add_argument("--servers", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--server-bucket", default="decode", help="bucket of the bundled prompt set")
+    ap.add_argument("--server-output-len", type=int, default=256)
+    ap.add_argument("--server-prompts", type=int, default=8, help="requests at c=1 (c=16 sends 16)")
+    ap.add_argument("--server-start-timeout", type=float, default=900)
+    ap.add_argument("--llamacpp-dir", default=None, help="build + GGUF cache (default $LEVERLAB_CACHE/llamacpp/"
+                                                         f"{peer.VERSION})")
+    ap.add_argument("--jobs", type=int, default=None, help="build jobs (default: all cores)")
+    ap.add_argument("--pre-tokenizer", default=None, help="llama.cpp pre-tokenizer for our tokenizer "
+                                                          "(default: from tokenizer.json)")
+    ap.add_argument("--out", default=None, help="JSON (default results/bench_peer-<UTC time>.json)")
+    args = ap.parse_args()
+    args.precisions = [p for p in args.precisions.split(",") if p]
+    unknown = [p for p in args.precisions if p not in peer.GGUF_TYPES]
+    if unknown:
+        ap.error(f"unknown precision(s) {unknown}; known: {list(peer.GGUF_TYPES)}")
+    args.model = str(Path(args.model).resolve())
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    # SIGTERM as an exception, so that the finally blocks stop the servers and workers this run started (a
+    # background job has SIGINT ignored, so SIGTERM is how it gets stopped).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or ROOT / "results" / f"bench_peer-{stamp}.json")
+    root = Path(args.llamacpp_dir).expanduser() if args.llamacpp_dir else peer.default_dir()
+    t_setup = time.perf_counter()
+    try:
+        bins = peer.ensure_built(root, args.jobs)
+        ggufs = peer.convert(Path(args.model), root, bins, args.precisions, args.pre_tokenizer)
+    except peer.PeerError as e:
+        print(f"bench_peer: llama.cpp is not available: {e}", file=sys.stderr)
+        return 2
+    result = {"settings": {**vars(args), "llamacpp_dir": str(root), "llama_cpp_python": peer.VERSION,
+                           "gguf": {p: str(g) for p, g in ggufs.items()}},
+              "llamacpp_setup_s": time.perf_counter() - t_setup, "rounds": []}
+    bw = measure_bandwidth(args.threads)
+    print(f"model {args.model}; {args.threads} thread(s); read bandwidth {bw:.1f} GB/s; "
+          f"precisions {args.precisions}; {args.rounds} round(s)", flush=True)
+    ours: dict[str, Ours | None] = {}
+    try:
+        for p in args.precisions:
+            try:
+                ours[p] = Ours(args.model, p, args)
+                print(f"LeverLab {p}: {ours[p].mode} mode, loaded and warmed in {ours[p].setup_s:.0f} s "
+                      "(own process)", flush=True)
+                result.setdefault("leverlab_execution_mode", {})[p] = ours[p].mode
+            except RuntimeError as e:
+                ours[p] = None
+                print(f"LeverLab {p}: failed to start ({e}); its figures are missing", flush=True)
+        weight_bytes = {p: {OURS: ours[p].weight_bytes if ours[p] else None,
+                            THEIRS: peer.gguf_weight_bytes(ggufs[p], root)} for p in args.precisions}
+        best = run_rounds(args, ours, bins, ggufs, result["rounds"], out.with_suffix(""))
+    finally:  # idle workers hold memory and threads; the end bandwidth figure wants neither
+        for o in ours.values():
+            if o is not None:
+                o.close()
+    # Bandwidth drifts on a shared machine: the better of start and end, so a share is never inflated by a
+    # pessimistic measurement.
+    bw_end = measure_bandwidth(args.threads)
+    result.update(bandwidth_gb_s=bw, bandwidth_end_gb_s=bw_end, weight_bytes_per_step=weight_bytes, best=best)
+    print_table(best, weight_bytes, max(bw, bw_end), args)
+    print_notes(result["rounds"], weight_bytes, args)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    print(f"\nwritten to {out} (server logs and `leverlab bench` folders in {out.with_suffix('')})")
+    return 0
+
+
+def run_rounds(args, ours: dict, bins: dict, ggufs: dict, rounds: list, work: Path) -> dict:
+    """Every measurement of every precision, one engine at a time, `args.rounds` times; every figure is appended
+    to `rounds`, the best of each returned as {precision: {measurement: {engine: tok/s}}}."""
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(100, 1000, (n,), generator=g).tolist()  # noqa: E731
+    best: dict = {}
+    for rnd in range(1, args.rounds + 1):
+        # Odd rounds run ours first, even rounds theirs first: a drift within a round hits both alike.
+        order = [OURS, THEIRS] if rnd % 2 else [THEIRS, OURS]
+        for p in args.precisions:
+            prompts = {"decode": [rand(args.prompt_len)], "prefill": [rand(args.prefill_len)],
+                       "decode16": [rand(args.prompt_len) for _ in range(args.batch)]}
+            for key in ("decode", "prefill", "decode16"):
+                for eng in order:
+                    raw = None
+                    if eng == OURS:
+                        v = ours[p].measure(key, prompts[key]) if ours[p] else None
+                    else:
+                        v, raw = theirs_measure(key, bins, ggufs[p], args)
+                    rounds.append({"round": rnd, "precision": p, "engine": eng, "measurement": key, "tok_s": v,
+                                   **({"raw": raw} if raw else {})})
+                    keep_best(best, p, eng, key, v)
+                    shown = f"{v:.1f} tok/s" if v is not None else "MISSING"
+                    label = MEASUREMENTS[key][0].format(batch=args.batch)
+                    print(f"  round {rnd} {p:5s} {label:22s} {eng:9s} {shown}", flush=True)
+        if not args.servers:
+            continue
+        for p in args.precisions:
+            cmds = server_commands(p, ggufs[p], bins, args)
+            for eng in order:
+                cmd, port = cmds[eng]
+                res = serve_and_bench(f"{eng} server", cmd, port, work / f"r{rnd}-{p}-{eng}", args)
+                rounds.append({"round": rnd, "precision": p, "engine": eng, "measurement": "servers",
+                               **(res or {"missing": True})})
+                for key in ("server_c1", "server_c16"):
+                    keep_best(best, p, eng, key, res and res[key])
+                shown = (f"c=1 decode {res['server_c1']:.1f} tok/s, c={args.batch} output {res['server_c16']:.1f} "
+                         f"tok/s (up in {res['start_s']:.0f} s)" if res else "MISSING")
+                print(f"  round {rnd} {p:5s} {'servers':22s} {eng:9s} {shown}", flush=True)
+    return best
+
+
+def print_notes(rounds: list, weight_bytes: dict, args) -> None:
+    inputs = {(r["precision"], r["engine"]): r.get("input_tokens_mean") for r in rounds
+              if r["measurement"] == "servers" and r.get("input_tokens_mean")}
+    for p in args.precisions:
+        a, b = inputs.get((p, OURS)), inputs.get((p, THEIRS))
+        if a and b and abs(a - b) > 0.5:
+            print(f"note: the servers counted different prompt lengths for {p} ({a:.1f} vs {b:.1f} tokens, mean): "
+                  f"the GGUF's pre-tokenizer or BOS differs from ours", flush=True)
+    l3 = l3_bytes()
+    small = [p for p in args.precisions if l3 and max(filter(None, weight_bytes[p].values())) < l3]
+    if small:
+        print(f"note: the weights of {small} fit in one L3 ({l3 / 2**20:.0f} MiB): a step can read them from "
+              f"cache, so shares of the memory roofline above 100% are possible and say little there.")
+
+
+def l3_bytes() -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        s = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        return int(s[:-1]) * {"K": 2**10, "M": 2**20}[s[-1]] if s[-1] in "KM" else int(s)
+    return None
+
+
+def print_table(best: dict, weight_bytes: dict, bw: float, args) -> None:
+    """Best round of each engine, the ratio, and each decode rate's share of that engine's roofline: bandwidth
+    over the bytes one step reads of its own weights (one step yields `batch` tokens)."""
+    print(f"\nbest of {args.rounds} round(s), {args.threads} thread(s); roofline at {bw:.1f} GB/s "
+          f"(weights only)")
+    print("| precision | measurement | LeverLab tok/s | llama.cpp tok/s | LeverLab / llama.cpp | "
+          "LeverLab % roofline | llama.cpp % roofline |")
+    print("|---|---|---|---|---|---|---|")
+    for p in args.precisions:
+        for key, (label, batch) in MEASUREMENTS.items():
+            b = best.get(p, {}).get(key, {})
+            if not b and key.startswith("server") and not args.servers:
+                continue
+            a, t = b.get(OURS), b.get(THEIRS)
+            cells = [f"{a:.1f}" if a else "missing", f"{t:.1f}" if t else "missing",
+                     f"{a / t:.2f}x" if a and t else "-"]
+            for eng, v in ((OURS, a), (THEIRS, t)):
+                n = args.batch if batch == "batch" else batch
+                roof = bw * 1e9 / weight_bytes[p][eng] * n if n and weight_bytes[p][eng] else None
+                cells.append(f"{100 * v / roof:.0f}%" if v and roof else "-")
+            name = f"{p} / {peer.GGUF_TYPES[p]}"
+            print(f"| {name} | {label.format(batch=args.batch)} | " + " | ".join(cells) + " |")
+    for p in args.precisions:
+        mb = {e: f"{w / 1e6:.1f} MB" if w else "?" for e, w in weight_bytes[p].items()}
+        print(f"  {p}: weights read per step: LeverLab {mb[OURS]}, llama.cpp {mb[THEIRS]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
