@@ -38,7 +38,7 @@ class LLM:
             order.append(rid)
         done: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished():
-            for out in self.engine.step():
+            for out in self.engine.step(final_only=True):
                 if out.finished:
                     done[out.request_id] = out
         return [done[r] for r in order]

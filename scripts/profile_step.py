@@ -50,12 +50,12 @@ def instrument(llm) -> dict[str, float]:
         runner.forward = timed("forward", runner.forward)
     step = eng.step
 
-    def step_timed():
+    def step_timed(**kw):
         cur.clear()
         decode = all(s.num_computed_tokens == s.num_tokens - 1 for s in eng.scheduler.running) and \
             bool(eng.scheduler.running) and not eng.scheduler.waiting
         t0 = time.perf_counter()
-        out = step()
+        out = step(**kw)
         total = time.perf_counter() - t0
         if decode:
             acc["schedule"] += cur.get("schedule", 0.0)

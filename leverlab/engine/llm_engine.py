@@ -179,7 +179,10 @@ class LLMEngine:
         return bool(self.requests)
 
     # ---- the step loop -----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One engine step. Returns the outputs of the requests it changed (cumulative), or with `final_only`
+        those of the requests it finished: a caller that only wants finished requests (LLM.generate) then
+        skips building an output per request per token."""
         t0 = time.perf_counter()
         if self.proposer is not None:
             self._propose()
@@ -227,7 +230,8 @@ class LLMEngine:
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():
-            outputs.append(req.output())
+            if not final_only or req.finished:
+                outputs.append(req.output())
             if req.finished:
                 req.metrics.finished_time = time.monotonic()
                 del self.requests[req.request_id]

@@ -54,6 +54,14 @@ class Sequence:
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]
+        if start >= p:  # decode and verification: slice the outputs and drafts, never copy the whole context
+            o = len(self.output_token_ids)
+            s, e = start - p, end - p
+            if e <= o:
+                return self.output_token_ids[s:e]
+            if s >= o:
+                return self.spec_token_ids[s - o:e - o]
+            return self.output_token_ids[s:] + self.spec_token_ids[: e - o]
         return (self.prompt_token_ids + self.output_token_ids + self.spec_token_ids)[start:end]
 
     @property

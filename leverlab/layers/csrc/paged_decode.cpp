@@ -19,6 +19,8 @@
 #include <utility>
 #include <vector>
 
+#include "vec_math.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -46,25 +48,6 @@ inline const float* as_float<c10::BFloat16>(const c10::BFloat16* src, float* buf
   return buf;
 }
 
-// exp(x) for the x <= 0 of a softmax, in a form that vectorizes (std::exp does not): x = n ln2 + r with
-// |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (relative error ~1e-7), 2^n put into the exponent bits.
-// Below -87 the result is clamped to ~1.6e-38 instead of underflowing: nothing next to a sum of at least 1.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln 2 in two parts, so r stays exact
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 // One head's K (or V) rows sit KVH * D elements apart, too far for the hardware prefetcher to follow: fetched
 // on demand, each position waited a memory latency (measured: 95 ns per position, 1.8 ms per layer for 16

@@ -164,7 +164,8 @@ inline void column(const float* xs, int64_t K16, const uint16_t* w, int64_t K, c
   const uint16_t* wr = w + n * K;
   int64_t k = 0;
   for (; k + 16 * U <= K; k += 16 * U) {
-    _mm_prefetch(reinterpret_cast<const char*>(wr + k + 1024), _MM_HINT_T0);
+    // No software prefetch: on a Zen 3 the hardware prefetcher alone streamed 3-5% faster than prefetching
+    // 512 B..8 KB ahead (the bundled model's matrices, one thread, four interleaved rounds).
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) {
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k + 16 * u));
