@@ -44,7 +44,7 @@ class _NotFused(Exception):
 
 
 def fused_decoder(model: CausalLM, kv_caches: list[torch.Tensor], kv_cache_dtype: str, tp_size: int):
-    """A FusedDecoder over `model` and its KV caches, or None (the reason is logged at debug level)."""
+    """A FusedForward over `model` and its KV caches, or None (the reason is logged)."""
     try:
         return _build(model, kv_caches, kv_cache_dtype, tp_size)
     except _NotFused as e:
@@ -63,13 +63,15 @@ def _build(model: CausalLM, kv_caches, kv_cache_dtype: str, tp_size: int):
     if kern is None:
         raise _NotFused("the C++ kernels are not built here")
     cfg = model.config
+    dtype = model.model.embed_tokens.weight.dtype  # the C++ side runs every float tensor in this one dtype
     layers, kinds, windows = [], [], []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                    attn.q_norm.weight if attn.q_norm is not None else None,
                    attn.k_norm.weight if attn.k_norm is not None else None]
-        dtype = model.model.embed_tokens.weight.dtype
+        if any(t is not None and t.dtype != dtype for t in tensors) or model.model.norm.weight.dtype != dtype:
+            raise _NotFused("norm weights in another dtype than the model's")
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             kind, ts = _linear(lin)
             if kind == 0 and ts[0].dtype != dtype:
