@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from leverlab import env
-from leverlab.quant.registry import check_kv_cache_dtype, check_quantization
+from leverlab.quant.registry import check_kv_cache_dtype, check_lm_head_quantization, check_quantization
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -32,6 +32,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # automatic prefix caching (vLLM's default too)
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    lm_head_quantization: str = "auto"  # the output head's precision (quant/registry.py: LM_HEAD_QUANTIZATION)
     speculative_config: dict | None = None
     tensor_parallel_size: int = 1  # > 1: one process per rank (leverlab/distributed, docs/tensor-parallel.md)
     # "eager" (default): no compilation; decode steps take the fused C++ forward (models/fused.py) either way.
@@ -64,3 +65,4 @@ class EngineConfig:
         # Registry lookups (light: no kernels imported); unknown names are refused with the valid ones listed.
         self.quantization = check_quantization(self.quantization)
         self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
+        self.lm_head_quantization = check_lm_head_quantization(self.lm_head_quantization)

@@ -25,7 +25,7 @@ def _json_object(s: str) -> dict:
 ENGINE_FIELDS = (
     "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size",
     "num_kv_blocks", "kv_cache_memory", "kv_cache_memory_fraction", "enable_prefix_caching", "quantization",
-    "kv_cache_dtype", "speculative_config", "tensor_parallel_size", "execution_mode", "num_threads", "seed",
+    "kv_cache_dtype", "lm_head_quantization", "speculative_config", "tensor_parallel_size", "execution_mode", "num_threads", "seed",
 )
 
 
@@ -45,6 +45,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--quantization", "-q", default=None)
     g.add_argument("--kv-cache-dtype", default=None)
+    g.add_argument("--lm-head-quantization", default=None, choices=("auto", "none", "int8", "same"),
+                   help="the output head's precision: auto (int8 with --quantization int8/int4, else the model "
+                   "dtype), none (the model dtype), int8, or same (the --quantization method's own)")
     g.add_argument("--speculative-config", type=_json_object, default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,

@@ -59,7 +59,8 @@ class ModelRunner:
         self.device = device or pick_device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.tp = tp or TPState()
-        self.model = load_model(model_path, config.dtype, self.device, config.quantization, tp)
+        self.model = load_model(model_path, config.dtype, self.device, config.quantization, tp,
+                                config.lm_head_quantization)
         self.model_config = self.model.config
         self.model.aux_layers = aux_layers_for(config)  # EAGLE's feature layers; () without it
         self.block_size = config.block_size

@@ -21,6 +21,7 @@ from leverlab import env
 from leverlab.layers import cpu_kernels
 from leverlab.layers.attention import KERNEL_MAX_SPAN, AttentionMetadata
 from leverlab.models.decoder import CausalLM
+from leverlab.quant.int8 import STREAMING_MAX_ROWS
 
 log = logging.getLogger("leverlab")
 
@@ -29,7 +30,8 @@ MAX_SPAN = KERNEL_MAX_SPAN
 
 
 def _linear(layer) -> tuple[int, list]:
-    """(kind, [weight, scale, bias]) for the C++ side: 0 float, 1 int8, 2 int4 (QuantMethod.fused_weights)."""
+    """(kind, [weight, scale, bias]) for the C++ side (QuantMethod.fused_weights): 0 float, 1 int8 weight-only,
+    2 int4, 3 int8 with bf16/fp16 activations quantized per 32-block."""
     method = layer.quant_method
     if method is None:
         return 0, [layer.weight, None, layer.bias]
@@ -85,8 +87,8 @@ def _build(model: CausalLM, kv_caches, kv_cache_dtype: str, tp_size: int):
     dec = kern.FusedDecoder(model.model.embed_tokens.weight.data, norm.weight.data, rotary.cos, rotary.sin,
                             layers, kinds, windows, list(kv_caches), cfg.num_heads, cfg.num_kv_heads,
                             cfg.head_dim, float(norm.eps), float(model.model.layers[0].self_attn.scale))
-    # Quantized linears stream up to 8 rows; past that the module path's batched kernels (fbgemm) win.
-    return FusedForward(dec, max_tokens=8 if any(kinds) else None)
+    # Quantized linears stream up to STREAMING_MAX_ROWS rows; past that the module path's batched kernels (fbgemm).
+    return FusedForward(dec, max_tokens=STREAMING_MAX_ROWS if any(kinds) else None)
 
 
 class FusedForward:

@@ -16,7 +16,7 @@ from leverlab.layers.parallel import VocabParallelEmbedding
 from leverlab.models.config import ModelConfig
 from leverlab.models.decoder import CausalLM
 from leverlab.quant.base import attach_quant_method, finish_quantization
-from leverlab.quant.registry import get_quant_method, quant_method_for_checkpoint
+from leverlab.quant.registry import get_quant_method, head_quant_method, quant_method_for_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,26 +43,30 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.device = "cpu",
-               quantization: str | None = None, tp: TPState | None = None) -> CausalLM:
+               quantization: str | None = None, tp: TPState | None = None, lm_head: str = "auto") -> CausalLM:
     """`quantization`: a --quantization name (quantize at load time); a checkpoint that carries its own
     quantization_config (AWQ, GPTQ, `leverlab quantize` output) is read in its format whatever it is None.
+    `lm_head`: --lm-head-quantization (registry.head_quant_method).
     `tp`: this rank's tensor-parallel state; the model holds its slice of every weight (None: all of them)."""
     path = Path(path)
     cfg = ModelConfig.from_folder(path)
     tp_size = tp.size if tp is not None else 1
     check_model(cfg, tp_size)
     method = resolve_quant_method(path, quantization)
+    head = head_quant_method(method, lm_head)
     with _default_dtype(DTYPES[dtype]), torch.device(device), use_tp(tp):
         model = CausalLM(cfg)
     try:
-        quantized = attach_quant_method(model, method) if method is not None else []
+        quantized = attach_quant_method(model, method, head)
     except ValueError as e:
         if tp_size == 1:
             raise
-        raise UnsupportedLever(f"--tensor-parallel-size {tp_size} with {method.name}, on each rank's slice: {e}") from e
+        name = method.name if method is not None else head.name
+        raise UnsupportedLever(f"--tensor-parallel-size {tp_size} with {name}, on each rank's slice: {e}") from e
     load_weights(model, path)
     finish_quantization(quantized)
     model.quant_method = method
+    model.head_quant_method = head
     return model.eval()
 
 

@@ -50,13 +50,9 @@ DEFAULT_LAYOUTS = {"weight": TensorLayout(0, 1, 1, 1), "bias": TensorLayout(0, 1
 class QuantMethod:
     name: str = ""
     bits_per_weight: float = 16.0  # storage per weight, scales included (for bytes-per-token estimates)
-    # The output head stays in the model dtype unless asked (`int8+head`, `int4+head`): at batch 1 the tied
-    # head of Qwen3-0.6B is a quarter of the bytes a step reads, so it bounds what quantizing the rest buys.
+    # True (`int8+head`, `int4+head`): the output head in this same method. Otherwise the head's method is chosen
+    # by --lm-head-quantization (registry.head_quant_method): int8 for int8 and int4 by default.
     quantize_lm_head: bool = False
-
-    def applies_to(self, module_name: str) -> bool:
-        """Which of our Linear modules this method converts: the decoder projections, the head if asked."""
-        return module_name != "lm_head" or self.quantize_lm_head
 
     def create_weights(self, layer: nn.Module) -> None:
         """Default: keep the floating-point `layer.weight`, filled from the checkpoint and converted later."""
@@ -136,16 +132,18 @@ def flatten(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def attach_quant_method(model: nn.Module, method: QuantMethod) -> list[nn.Module]:
-    """Give `method` to every Linear it applies to (creating their weights); returns those layers."""
+def attach_quant_method(model: nn.Module, method: QuantMethod | None, head: QuantMethod | None = None) -> list[nn.Module]:
+    """Give `method` to every decoder Linear and `head` to the output head (None: left in the model dtype),
+    creating their weights; returns the layers that got one."""
     from leverlab.layers.linear import Linear
 
     layers = []
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and method.applies_to(name):
+        m = head if name == "lm_head" else method
+        if isinstance(module, Linear) and m is not None:
             module.is_lm_head = name == "lm_head"
-            module.quant_method = method
-            method.create_weights(module)
+            module.quant_method = m
+            m.create_weights(module)
             layers.append(module)
     return layers
 

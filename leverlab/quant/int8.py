@@ -3,16 +3,18 @@
 W ~= q * s[:, None], q int8 in [-127, 127], s = max|W_row| / 127.
 
 Kernels, CPU:
-  up to 8 rows (decode, verification): our streaming weight-only kernel (layers/csrc/quant_linear.cpp), which
-  widens each weight in registers and reads the int8 matrix at memory speed; the fused decode path calls it
-  too. It keeps the plain [out, in] copy (1 byte per weight) next to fbgemm's packed one.
-  With bf16/fp16 activations, from `w8a8_min_rows` rows on (default 1: always): fbgemm's int8 x int8 GEMM (int8_gemm.py) with the
-  activations quantized per row on the fly. This is W8A8 arithmetic: one extra rounding of each activation
-  (relative 1/255 of its row's largest). It is the default because it is the kernel that makes int8 faster
-  than the compiled bf16 path at one row and at sixteen (scripts/bench_quant_kernels.py); on the bundled
-  model it moved perplexity by under 0.01% (docs/quantization.md).
-  below that (`--quantization int8-woq`: 9): weight-only `aten._weight_int8pack_mm` (activations untouched)
-  for up to 8 rows. It keeps a second, unpacked int8 copy for that kernel (2 bytes per weight in all).
+  up to STREAMING_MAX_ROWS rows (decode, verification, batch-16 decode): our streaming kernel
+  (layers/csrc/quant_linear.cpp); the fused decode path calls it too. It keeps the plain [out, in] copy
+  (1 byte per weight) next to fbgemm's packed one. With bf16/fp16 activations `int8` quantizes them per
+  32-element block and takes integer dot products (llama.cpp's q8_0 x q8_0 arithmetic: one rounding of each
+  activation, at most half a step of its block's max|x| / 127); widening each weight to float instead left the
+  kernel compute-bound at about a third of that speed on a small model. `int8-woq` keeps the activations as
+  they are (weight-only, the float path).
+  More rows, bf16/fp16, from `w8a8_min_rows` rows on (default 1: always): fbgemm's int8 x int8 GEMM
+  (int8_gemm.py) with the activations quantized per row on the fly (W8A8); on the bundled model it moved
+  perplexity by under 0.01% (docs/quantization.md).
+  below that (`--quantization int8-woq`: 9, so only where the streaming kernel is missing): weight-only
+  `aten._weight_int8pack_mm` (activations untouched). It keeps a second, unpacked int8 copy for that kernel.
 fp32 activations, and CUDA: `torch.mm(x, q.t().to(x.dtype)) * s`, exact against the dequantized weight
 (the form Inductor's weight-only-int8 pattern matches); the tests run this path in float32.
 """
@@ -33,7 +35,7 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
-STREAMING_MAX_ROWS = 8  # rows up to which our streaming kernels beat the batched GEMMs
+STREAMING_MAX_ROWS = 16  # rows up to which our streaming kernels beat the batched GEMMs (csrc: quant_max_rows)
 
 
 def streaming_kernels(device: torch.device):
@@ -56,6 +58,8 @@ class Int8Method(QuantMethod):
     def __init__(self, checkpoint: bool = False, w8a8_min_rows: int | None = 1):
         self.checkpoint = checkpoint  # True: weights come as qweight/scales from a `leverlab quantize` folder
         self.w8a8_min_rows = w8a8_min_rows  # None: never the int8 x int8 path
+        # The streaming kernel quantizes bf16/fp16 activations (per 32-block) unless weight-only was asked for.
+        self.quantize_activations = w8a8_min_rows is not None and w8a8_min_rows <= 1
 
     @classmethod
     def from_checkpoint_config(cls, qcfg: dict) -> Int8Method:
@@ -93,8 +97,8 @@ class Int8Method(QuantMethod):
             q, scales = quantize_int8(layer.weight.data)
             set_param(layer, "weight", None)
         layer.int8_key = None
-        # Our streaming weight-only kernel (csrc/quant_linear.cpp) serves up to 8 rows on the CPU: decode reads
-        # the int8 weight at memory speed with the activations untouched. It needs the plain [out, in] copy.
+        # Our streaming kernel (csrc/quant_linear.cpp) serves up to STREAMING_MAX_ROWS rows on the CPU. It needs
+        # the plain [out, in] copy.
         layer.q8 = (q.contiguous(), scales.float().contiguous()) if streaming_kernels(q.device) else None
         if self.w8a8_min_rows is not None and use_int8_gemm(layer, layer.params_dtype, q.device):
             layer.int8_key = int8_gemm.pack(layer, q, scales)
@@ -109,7 +113,7 @@ class Int8Method(QuantMethod):
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         x2 = flatten(x)
         if layer.q8 is not None and x2.shape[0] <= STREAMING_MAX_ROWS:
-            y = streaming_kernels(x.device).int8_linear(x2, *layer.q8, layer.bias)
+            y = streaming_kernels(x.device).int8_linear(x2, *layer.q8, layer.bias, self.quantize_activations)
             return y.view(*x.shape[:-1], layer.out_features)
         if layer.int8_key is not None and x2.shape[0] >= self.w8a8_min_rows:
             y = int8_gemm.int8_linear(x2, layer.int8_key, layer.out_features)
@@ -122,7 +126,8 @@ class Int8Method(QuantMethod):
         return y.view(*x.shape[:-1], layer.out_features)
 
     def fused_weights(self, layer) -> tuple[int, list] | None:
-        return (1, [*layer.q8, layer.bias]) if layer.q8 is not None else None
+        kind = 3 if self.quantize_activations else 1  # fused_decoder.cpp: 3 quantizes bf16/fp16 activations
+        return (kind, [*layer.q8, layer.bias]) if layer.q8 is not None else None
 
     def dequantize(self, layer) -> torch.Tensor:
         if layer.qweight is None:

@@ -17,7 +17,8 @@ QUANT_METHODS: dict[str, tuple[str, str, dict]] = {
     "int4-g32": ("leverlab.quant.int4", "Int4Method", {"group_size": 32}),
     "int4-g64": ("leverlab.quant.int4", "Int4Method", {"group_size": 64}),
     "int4-g128": ("leverlab.quant.int4", "Int4Method", {"group_size": 128}),
-    "int8+head": ("leverlab.quant.int8", "Int8Method", {"quantize_lm_head": True}),  # the output head too
+    # The output head in the method's own kernel (plain int8/int4 put it in int8: --lm-head-quantization).
+    "int8+head": ("leverlab.quant.int8", "Int8Method", {"quantize_lm_head": True}),
     "int4+head": ("leverlab.quant.int4", "Int4Method", {"group_size": 64, "quantize_lm_head": True}),
     "awq": ("leverlab.quant.awq", "AWQMethod", {}),
     "gptq": ("leverlab.quant.gptq", "GPTQMethod", {}),
@@ -25,6 +26,12 @@ QUANT_METHODS: dict[str, tuple[str, str, dict]] = {
 }
 # Methods whose weights must come pre-quantized in the checkpoint (their config lives there).
 CHECKPOINT_ONLY = ("awq", "gptq")
+
+# --lm-head-quantization values. "auto": int8 for the int8/int4 methods (the tied head of a small model is a large
+# share of a step's bytes: a fifth of the bundled model, a quarter of Qwen3-0.6B; llama.cpp's Q4_0 files keep it
+# in Q8_0 too), the model dtype otherwise (fp8; AWQ/GPTQ checkpoints, whose own heads vLLM keeps as they are);
+# "none": the model dtype; "int8": int8 whatever the method; "same": the method's own kernel (int4+head).
+LM_HEAD_QUANTIZATION = ("auto", "none", "int8", "same")
 
 # --kv-cache-dtype values; "auto" keeps the model dtype. fp8 is e4m3 (vLLM's "fp8" means the same).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
@@ -37,6 +44,26 @@ def check_quantization(name: str | None) -> str | None:
     if name not in QUANT_METHODS:
         raise UnsupportedLever(f"unknown --quantization {name!r}; valid: none, {', '.join(QUANT_METHODS)}")
     return name
+
+
+def check_lm_head_quantization(name: str) -> str:
+    if name not in LM_HEAD_QUANTIZATION:
+        raise UnsupportedLever(f"unknown --lm-head-quantization {name!r}; valid: {', '.join(LM_HEAD_QUANTIZATION)}")
+    return name
+
+
+def head_quant_method(method, choice: str = "auto"):
+    """The method for the output head, given the model's method and --lm-head-quantization (None: model dtype)."""
+    choice = check_lm_head_quantization(choice)
+    if choice == "none":
+        return None
+    if choice == "same" or (choice == "auto" and method is not None and method.quantize_lm_head):
+        if method is None:
+            raise UnsupportedLever("--lm-head-quantization same needs a --quantization method")
+        return method
+    if choice == "int8" or (method is not None and method.name in ("int8", "int4")):
+        return get_quant_method("int8")
+    return None
 
 
 def check_kv_cache_dtype(name: str) -> str:

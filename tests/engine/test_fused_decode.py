@@ -106,6 +106,41 @@ def test_int8_kernel_matches_dequantized_weight():
             assert (got16 - (expected - b)).abs().max() < 0.02 * expected.abs().max()
 
 
+def quantize_blocks_q8(x: torch.Tensor) -> torch.Tensor:
+    """What the kernels' integer path multiplies: x [M, K] quantized per 32-element block to int8 (scale
+    max|x| / 127, round half to even), dequantized back to float32."""
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(xb * inv) * (amax / 127.0)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_quantized_kernels_integer_path_is_the_block_quantized_product(dtype):
+    """bf16/fp16 activations: the int8 (quantize_x) and int4 kernels compute exactly the dequantized weight times
+    the per-32-block quantized activations (llama.cpp's q8_0 arithmetic), up to float summation order and the
+    output's rounding, for every row count they stream (1..16, in groups of 4)."""
+    from leverlab.quant.int4 import dequantize_int4, pack_int4_streaming, quantize_int4
+
+    kern = cpu_kernels.kernels()
+    torch.manual_seed(0)
+    for m in (1, 2, 3, 5, 16):
+        for n, k in ((64, 64), (37, 384), (96, 1024)):
+            x = (torch.randn(m, k) * torch.rand(1, k) * 4).to(dtype)
+            xq = quantize_blocks_q8(x)
+            w, b = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.randn(n)
+            s = torch.rand(n) / 100
+            expected = xq @ (w.float() * s[:, None]).t() + b
+            got = kern.int8_linear(x, w, s, b, True).float()
+            assert (got - expected).abs().max() <= 1e-5 * expected.abs().max() + 2 ** -8 * expected.abs().max()
+            for g in (32, 64):
+                q, sc, z = quantize_int4(torch.randn(n, k), g)
+                packed, sz = pack_int4_streaming(q, sc, z, g)
+                expected = xq @ dequantize_int4(q, sc, z, g).t() + b
+                got = kern.int4_linear(x, packed, sz[0], sz[1], g, b).float()
+                assert (got - expected).abs().max() <= 2 ** -7 * expected.abs().max(), (m, n, k, g)
+
+
 def test_int4_kernel_matches_dequantized_weight():
     from leverlab.quant.int4 import dequantize_int4, pack_int4_streaming, quantize_int4
 

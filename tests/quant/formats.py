@@ -146,5 +146,10 @@ def write_float(src: str | Path, dst: str | Path, weights: dict[str, torch.Tenso
             shutil.copy(f, dst / f.name)
     tensors = _tensors(src)
     tensors.update(weights)
+    cfg = json.loads((dst / "config.json").read_text())
+    if "lm_head.weight" in weights and cfg.get("tie_word_embeddings"):
+        # a quantized head of a tied model: the reference keeps the float embedding and its own head
+        cfg["tie_word_embeddings"] = False
+        (dst / "config.json").write_text(json.dumps(cfg))
     save_file({k: v.float().contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"))
     return dst

@@ -109,23 +109,27 @@ def test_int8_gemm_quantizes_activations_per_row():
 
 
 @pytest.mark.parametrize("name", ("int8", "int8-woq"))
-def test_int8_few_rows_take_a_weight_only_kernel(name):
-    """Up to 8 rows, the activations are not quantized: our streaming kernel where the C++ kernels are built
-    (int8 and int8-woq alike), else aten's weight-only kernel (int8-woq)."""
+def test_int8_few_rows_take_the_streaming_kernel(name):
+    """Up to 16 rows: our streaming kernel where the C++ kernels are built, with the activations quantized per
+    32-block for integer dot products (int8) or left as they are (int8-woq, weight-only by request); without
+    the kernels, aten's weight-only kernel (int8-woq)."""
     from leverlab.layers import cpu_kernels
 
     layer, w, b = quantized_linear(name, torch.bfloat16)
-    x = torch.randn(1, 256).to(torch.bfloat16)
+    x = torch.randn(16, 256).to(torch.bfloat16)
     if cpu_kernels.kernels() is not None:
-        assert torch.equal(layer(x), cpu_kernels.kernels().int8_linear(x, *layer.q8, layer.bias))
+        quantize_x = name == "int8"
+        assert layer.quant_method.quantize_activations == quantize_x
+        assert torch.equal(layer(x), cpu_kernels.kernels().int8_linear(x, *layer.q8, layer.bias, quantize_x))
     elif name == "int8-woq":
         assert layer.qweight is not None and layer.int8_key is not None
-        expected = torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales) + b.to(torch.bfloat16)
-        assert torch.equal(layer(x), expected)
+        expected = torch.ops.aten._weight_int8pack_mm(x[:1], layer.qweight, layer.scales) + b.to(torch.bfloat16)
+        assert torch.equal(layer(x[:1]), expected)
 
 
 def test_int4_batched_path_uses_an_int8_copy_of_the_int4_weight():
     from leverlab.quant import int8_gemm
+    from leverlab.quant.int8 import STREAMING_MAX_ROWS
 
     layer, w, b = quantized_linear("int4-g32", torch.bfloat16)
     w4 = layer.quant_method.dequantize(layer)
@@ -135,8 +139,9 @@ def test_int4_batched_path_uses_an_int8_copy_of_the_int4_weight():
     copy = q8.float() * s8[:, None]
     bound = w4.abs().amax(1, keepdim=True) * (1 / 254 + 2**-7)
     assert ((copy - w4).abs() <= bound * 1.001 + 1e-7).all()
-    x = torch.randn(16, 256).to(torch.bfloat16)
+    rows = STREAMING_MAX_ROWS + 1  # past the streaming kernel
+    x = torch.randn(rows, 256).to(torch.bfloat16)
     expected = x.float() @ copy.t() + b.to(torch.bfloat16).float()
     bound = 4e-2 if int8_gemm.REDUCE_RANGE else 2e-2  # 7-bit activations without VNNI (see int8_gemm.py)
     assert ((layer(x).float() - expected).abs() <= bound * expected.abs().amax(1, keepdim=True)).all()
-    assert layer.quant_method.bytes_read(layer, 1) < layer.quant_method.bytes_read(layer, 16)
+    assert layer.quant_method.bytes_read(layer, 1) < layer.quant_method.bytes_read(layer, rows)

@@ -9,7 +9,8 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
 bool has_skinny_linear();
 int64_t skinny_max_rows();
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& bias);
+                       const c10::optional<at::Tensor>& bias, bool quantize_x);
+int64_t quant_max_rows();
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& szeros, int64_t group, const c10::optional<at::Tensor>& bias);
 void bind_fused_decoder(pybind11::module& m);
@@ -19,7 +20,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "y = x W^T (+ b) in bfloat16 for 1..8 rows (AVX-512 BF16 or AVX2)");
   m.def("has_skinny_linear", &has_skinny_linear, "whether this build has the streaming bf16 linear (AVX-512 BF16 or AVX2)");
   m.def("skinny_max_rows", &skinny_max_rows, "the most activation rows the streaming bf16 linear takes (0: none)");
-  m.def("int8_linear", &int8_linear, "y = (x W^T) * s (+ b) for int8 W [N, K], float32 s [N]; streaming for 1..8 rows");
-  m.def("int4_linear", &int4_linear, "y = x W^T (+ b) for int4 W (packed [N, K/2], scales and s*z [N, K/g]); streaming for 1..8 rows");
+  m.def("int8_linear", &int8_linear, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale"),
+        pybind11::arg("bias"), pybind11::arg("quantize_x") = false,
+        "y = (x W^T) * s (+ b) for int8 W [N, K], float32 s [N]; streaming for 1..quant_max_rows() rows; "
+        "quantize_x: bf16/fp16 x quantized per 32-block for integer dot products");
+  m.def("int4_linear", &int4_linear, "y = x W^T (+ b) for int4 W (packed [N, K/2], scales and s*z [N, K/g]); streaming for 1..quant_max_rows() rows");
+  m.def("quant_max_rows", &quant_max_rows, "the most activation rows the streaming int8/int4 kernels take");
   bind_fused_decoder(m);
 }

@@ -1,9 +1,20 @@
-// y = (x W^T) * s (+ b) for int8 weights W [N, K] with one float32 scale per output row, for a few rows of x.
+// Streaming int8 and int4 linears for a few activation rows (decode, verification, small batches): y = x W^T (+ b).
 //
-// Weight-only: the activations stay in their dtype (widened to float32 once per call), each 16-weight chunk is
-// widened in registers (sign-extend, convert) and multiplied in float32, and the row's scale is applied once to
-// the finished dot product. Like the bf16 kernel (skinny_linear.cpp) each thread walks its share of W's rows as
-// one sequential stream: decode reads W once, so the kernel's job is to keep up with memory at one byte a weight.
+// Like the bf16 kernel (skinny_linear.cpp) each thread walks its share of W's rows as one sequential stream:
+// decode reads W once per step. On a small model the quantized weights sit largely in the last-level cache, and
+// then the kernel's arithmetic, not memory, sets the pace: widening every weight to float32 ran int8 at ~2.6
+// weights per cycle on a Zen 3. So with bf16/fp16 activations both kernels take integer dot products, as
+// llama.cpp's q8_0 x q8_0 and q4_0 x q8_0 paths do: the activations are quantized per 32-element block to int8
+// (scale max|x| / 127, one rounding of at most half a step; `quantize_q8`), a block's 32 products are
+// vpmaddubsw + vpmaddwd (unsigned x signed bytes, pair sums at most 2 * 128 * 127: no saturation), and one float
+// FMA per block applies the scales. float32 activations (the exactness tests) keep the float path, exact against
+// the dequantized weight, and so does `--quantization int8-woq` (weight-only by request).
+//
+// int8: W [N, K] int8 with a float32 scale per row (W ~= q * s). int4: W ~= q * s - s * z per group of g input
+// channels (q, z in 0..15), packed by quant/int4.py: pack_int4_streaming: per 32-weight block of a row, 16 bytes;
+// byte i holds weight i in its low nibble and weight 16 + i in its high one, so both nibble planes widen in
+// order with no shuffles. A group's dot product is s * sum(q x) - s z * sum(x): the zero point costs one term per
+// group, from the block sums of the (quantized) activations.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -14,27 +25,200 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#define LEVERLAB_QUANT_AVX2 1
 #endif
+
+// Rows up to which these kernels stream (callers hand more to batched GEMMs): 16 keeps a batch-16 decode
+// step on them, the activations of 16 rows (16 KB at K = 1024) staying in L1 while each weight row is read once.
+int64_t quant_max_rows() { return 16; }
 
 namespace {
 
-#if defined(__AVX2__) && defined(__FMA__)
+// Per-thread scratch for the widened or quantized activations: no allocation per call on the decode path.
+template <typename E>
+E* scratch(std::vector<E>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+const float* bias_f32(const c10::optional<at::Tensor>& bias, at::Tensor& holder) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  holder = bias->to(at::kFloat).contiguous();
+  return holder.data_ptr<float>();
+}
+
+#if LEVERLAB_QUANT_AVX2
 inline float hsum8(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-// The dot products of weight row n with M activation rows (float32, K16 apart, zero-padded to K16), M <= 4:
-// two accumulators per row (the two 8-weight halves of a chunk) keep 2M FMA chains in flight.
+inline int32_t hsum8_epi32(__m256i v) {
+  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i t = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 1)));
+}
+#endif
+
+// ---- activations quantized per 32-element block (K % 32 == 0) ----------------------------------------------
+// Row m of x -> q [m * K ..] int8, scale [m * B ..] (B = K / 32 blocks) and the block's integer sum [m * B ..].
+struct QuantizedRows {
+  const int8_t* q;
+  const float* scale;
+  const int32_t* sum;
+  int64_t K, B;
+};
+
+template <typename T>
+QuantizedRows quantize_q8(const at::Tensor& x) {
+  static thread_local std::vector<int8_t> qbuf;
+  static thread_local std::vector<float> sbuf;
+  static thread_local std::vector<int32_t> ibuf;
+  const int64_t M = x.size(0), K = x.size(1), B = K / 32;
+  int8_t* q = scratch(qbuf, M * K);
+  float* sc = scratch(sbuf, M * B);
+  int32_t* is = scratch(ibuf, M * B);
+  for (int64_t m = 0; m < M; ++m) {
+    const T* xr = x.data_ptr<T>() + m * x.stride(0);
+    for (int64_t b = 0; b < B; ++b) {
+      alignas(32) float f[32];
+      for (int i = 0; i < 32; ++i) f[i] = static_cast<float>(xr[b * 32 + i]);
+      int8_t* qb = q + m * K + b * 32;
+#if LEVERLAB_QUANT_AVX2
+      const __m256 sign = _mm256_set1_ps(-0.f);
+      __m256 v[4], amax = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_load_ps(f + 8 * j);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      const float mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+      const __m256 inv = _mm256_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
+      __m256i iv[4];  // round to nearest even, as std::nearbyint in the default rounding mode
+      for (int j = 0; j < 4; ++j) iv[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+      is[m * B + b] = hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3])));
+      // packs work within 128-bit lanes: the dwords come out as (0-3, 8-11, 16-19, 24-27, 4-7, ...); put them back.
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                          _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+      float mx = 0.f;
+      for (int i = 0; i < 32; ++i) mx = std::max(mx, std::abs(f[i]));
+      const float inv = mx > 0.f ? 127.f / mx : 0.f;
+      int32_t isum = 0;
+      for (int i = 0; i < 32; ++i) {
+        qb[i] = static_cast<int8_t>(std::nearbyint(f[i] * inv));
+        isum += qb[i];
+      }
+      is[m * B + b] = isum;
+#endif
+      sc[m * B + b] = mx / 127.f;
+    }
+  }
+  return {q, sc, is, K, B};
+}
+
+// Weight row n against the quantized rows r0 .. r0 + MG, without any per-row weight scale or zero point:
+// out[m] = sum over blocks b of xscale[b] * ws(b) * (integer dot of block b). Two accumulators per row when
+// the row count leaves registers for them, so the FMA latency is covered at one row.
+#if LEVERLAB_QUANT_AVX2
+inline __m256i dot_block_i8(__m256i w, __m256i x) {  // 8 int32 lanes summing the 32 products w * x
+  // vpmaddubsw wants one unsigned operand: |w| x (x with w's sign)
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
+                           _mm256_set1_epi16(1));
+}
+
+inline __m256i dot_block_u4(__m256i w, __m256i x) {  // w already unsigned (0..15)
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+
+inline __m256i load_u4_block(const uint8_t* p) {  // 16 bytes -> 32 nibbles in order (low plane, then high)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+}
+
+// int8 row: every block has weight scale 1 (the row's scale is applied by the caller). Blocks go in pairs, one
+// accumulator each, so a single row keeps two FMA chains in flight.
+template <int MG>
+inline void i8_dots(const int8_t* wr, const QuantizedRows& x, int64_t r0, float* out) {
+  __m256 acc[MG][2];
+  for (int m = 0; m < MG; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  auto step = [&](int64_t b, int u) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * 32));
+#pragma GCC unroll 4
+    for (int m = 0; m < MG; ++m) {
+      const int64_t r = r0 + m;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + r * x.K + b * 32));
+      acc[m][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_block_i8(w, xv)), _mm256_set1_ps(x.scale[r * x.B + b]),
+                                  acc[m][u]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= x.B; b += 2) {
+    step(b, 0);
+    step(b + 1, 1);
+  }
+  if (b < x.B) step(b, 0);
+  for (int m = 0; m < MG; ++m) out[m] = hsum8(_mm256_add_ps(acc[m][0], acc[m][1]));
+}
+
+// int4 row: block b's weight scale is s_row[b >> gshift] (2^gshift blocks per group).
+template <int MG>
+inline void u4_dots(const uint8_t* wr, const float* s_row, int gshift, const QuantizedRows& x, int64_t r0,
+                    float* out) {
+  __m256 acc[MG][2];
+  for (int m = 0; m < MG; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  auto step = [&](int64_t b, int u) {
+    const __m256i w = load_u4_block(wr + b * 16);
+    const float ws = s_row[b >> gshift];
+#pragma GCC unroll 4
+    for (int m = 0; m < MG; ++m) {
+      const int64_t r = r0 + m;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + r * x.K + b * 32));
+      acc[m][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_block_u4(w, xv)), _mm256_set1_ps(ws * x.scale[r * x.B + b]),
+                                  acc[m][u]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= x.B; b += 2) {
+    step(b, 0);
+    step(b + 1, 1);
+  }
+  if (b < x.B) step(b, 0);
+  for (int m = 0; m < MG; ++m) out[m] = hsum8(_mm256_add_ps(acc[m][0], acc[m][1]));
+}
+
+// Calls dots<MG>(r0, out) for the activation rows in groups of at most 4 (a weight row is re-read from L1 for
+// the next group).
+template <typename F>
+inline void row_groups(int64_t M, F&& dots) {
+  float out[4];
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int64_t mg = std::min<int64_t>(4, M - m0);
+    switch (mg) {
+      case 1: dots(std::integral_constant<int, 1>(), m0, out); break;
+      case 2: dots(std::integral_constant<int, 2>(), m0, out); break;
+      case 3: dots(std::integral_constant<int, 3>(), m0, out); break;
+      default: dots(std::integral_constant<int, 4>(), m0, out); break;
+    }
+  }
+}
+#endif
+
+// ---- int8 ------------------------------------------------------------------------------------------------
+
+#if LEVERLAB_QUANT_AVX2
+// Weight-only: the dot products of weight row n with M float32 activation rows (K16 apart, zero-padded to K16),
+// M <= 4: two accumulators per row (the two 8-weight halves of a chunk) keep 2M FMA chains in flight.
 template <int M, int U>
-inline void row_dots(const float* xs, int64_t K16, const int8_t* wr, int64_t K, float* dots) {
+inline void row_dots_f32(const float* xs, int64_t K16, const int8_t* wr, int64_t K, float* dots) {
   __m256 acc[M][2 * U];
   for (int m = 0; m < M; ++m)
     for (int u = 0; u < 2 * U; ++u) acc[m][u] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 16 * U <= K; k += 16 * U) {
-    _mm_prefetch(reinterpret_cast<const char*>(wr + k + 1024), _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) {
       const __m128i wv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k + 16 * u));
@@ -69,27 +253,28 @@ inline void row_dots(const float* xs, int64_t K16, const int8_t* wr, int64_t K, 
 #endif
 
 template <typename T>
-void int8_rows(const at::Tensor& x, const int8_t* w, const float* scale, const float* bias, T* y, int64_t N,
-               int64_t K) {
+void int8_rows_f32(const at::Tensor& x, const int8_t* w, const float* scale, const float* bias, T* y, int64_t N,
+                   int64_t K) {
+  static thread_local std::vector<float> xbuf;
   const int64_t M = x.size(0), K16 = (K + 15) / 16 * 16;
-  std::vector<float> xs(M * K16, 0.f);  // the activations in float32, zero past K
+  float* xs = scratch(xbuf, M * K16);  // the activations in float32, zero past K
   for (int64_t m = 0; m < M; ++m) {
     const T* xr = x.data_ptr<T>() + m * x.stride(0);
-    for (int64_t k = 0; k < K; ++k) xs[m * K16 + k] = static_cast<float>(xr[k]);
+    for (int64_t k = 0; k < K16; ++k) xs[m * K16 + k] = k < K ? static_cast<float>(xr[k]) : 0.f;
   }
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     float dots[4];
     for (int64_t n = n0; n < n1; ++n) {
       const int8_t* wr = w + n * K;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {  // groups of 4 rows; a weight row is re-read from L1
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int64_t g = std::min<int64_t>(4, M - m0);
-        const float* xg = xs.data() + m0 * K16;
-#if defined(__AVX2__) && defined(__FMA__)
+        const float* xg = xs + m0 * K16;
+#if LEVERLAB_QUANT_AVX2
         switch (g) {
-          case 1: row_dots<1, 2>(xg, K16, wr, K, dots); break;
-          case 2: row_dots<2, 1>(xg, K16, wr, K, dots); break;
-          case 3: row_dots<3, 1>(xg, K16, wr, K, dots); break;
-          default: row_dots<4, 1>(xg, K16, wr, K, dots); break;
+          case 1: row_dots_f32<1, 2>(xg, K16, wr, K, dots); break;
+          case 2: row_dots_f32<2, 1>(xg, K16, wr, K, dots); break;
+          case 3: row_dots_f32<3, 1>(xg, K16, wr, K, dots); break;
+          default: row_dots_f32<4, 1>(xg, K16, wr, K, dots); break;
         }
 #else
         for (int64_t m = 0; m < g; ++m) {
@@ -104,74 +289,44 @@ void int8_rows(const at::Tensor& x, const int8_t* w, const float* scale, const f
   });
 }
 
-}  // namespace
-
-// x [M, K] (float32 / bf16 / fp16), w [N, K] int8, scale [N] float32, bias [N] or none -> [M, N] in x's dtype.
-// Our streaming kernel for up to 8 rows; above that, aten's matmul on the dequantized weight.
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "int8_linear: x [M, K], w [N, K]");
-  TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous(), "int8_linear: contiguous int8 weight");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == w.size(0), "int8_linear: float32 scale [N]");
-  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
-  if (M > 8 || x.stride(1) != 1) {
-    at::Tensor y = at::mm(x, w.t().to(x.scalar_type())) * scale.to(x.scalar_type());
-    return bias.has_value() && bias->defined() ? y + *bias : y;
-  }
-  auto y = at::empty({M, N}, x.options());
-  at::Tensor b32;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    b32 = bias->to(at::kFloat).contiguous();
-    bp = b32.data_ptr<float>();
-  }
-  auto sc = scale.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
-    int8_rows<scalar_t>(x, w.data_ptr<int8_t>(), sc.data_ptr<float>(), bp, y.data_ptr<scalar_t>(), N, K);
+#if LEVERLAB_QUANT_AVX2
+template <typename T>
+void int8_rows_q8(const at::Tensor& x, const int8_t* w, const float* scale, const float* bias, T* y, int64_t N,
+                  int64_t K) {
+  const QuantizedRows xq = quantize_q8<T>(x);
+  const int64_t M = x.size(0);
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* wr = w + n * K;
+      row_groups(M, [&](auto mg, int64_t m0, float* out) {
+        i8_dots<decltype(mg)::value>(wr, xq, m0, out);
+        for (int m = 0; m < decltype(mg)::value; ++m)
+          y[(m0 + m) * N + n] = static_cast<T>(out[m] * scale[n] + (bias ? bias[n] : 0.f));
+      });
+    }
   });
-  return y;
-}
-
-// ---- int4: W ~= q * s - s * z per group of g input channels (q, z in 0..15), packed two to a byte.
-// Layout (quant/int4.py: pack_int4_fused): per 32-weight block of a row, 16 bytes; byte i holds weight i in its
-// low nibble and weight 16 + i in its high one, so the two nibble planes widen in order with no shuffles.
-// A group's dot product is s * sum(q x) - s z * sum(x): the zero point costs one term per group, with the
-// group sums of x computed once per call.
-
-namespace {
-
-#if defined(__AVX2__) && defined(__FMA__)
-// sum over one 32-weight block of q[i] * x[i], into 4 accumulators.
-inline void block32(const uint8_t* b, const float* x, __m256& a0, __m256& a1, __m256& a2, __m256& a3) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-  const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
-  a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_loadu_ps(x), a0);
-  a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), _mm256_loadu_ps(x + 8), a1);
-  a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_loadu_ps(x + 16), a2);
-  a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), _mm256_loadu_ps(x + 24), a3);
 }
 #endif
 
-inline float q_dot(const uint8_t* b, const float* x, int64_t n) {  // n weights (a multiple of 32)
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t k = 0; k < n; k += 32) block32(b + k / 2, x + k, a0, a1, a2, a3);
-  return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-#else
+// ---- int4 ------------------------------------------------------------------------------------------------
+
+inline float q_dot_f32(const uint8_t* b, const float* x, int64_t n) {  // n weights (a multiple of 32), x float32
   float s = 0.f;
   for (int64_t k = 0; k < n; k += 32)
+#pragma omp simd reduction(+ : s)
     for (int i = 0; i < 16; ++i)
       s += static_cast<float>(b[k / 2 + i] & 15) * x[k + i] + static_cast<float>(b[k / 2 + i] >> 4) * x[k + 16 + i];
   return s;
-#endif
 }
 
 template <typename T>
-void int4_rows(const at::Tensor& x, const uint8_t* w, const float* s, const float* sz, int64_t g, const float* bias,
-               T* y, int64_t N, int64_t K) {
+void int4_rows_f32(const at::Tensor& x, const uint8_t* w, const float* s, const float* sz, int64_t g, const float* bias,
+                   T* y, int64_t N, int64_t K) {
+  static thread_local std::vector<float> xbuf, sbuf;
   const int64_t M = x.size(0), G = K / g;
-  std::vector<float> xs(M * K), xsum(M * G, 0.f);
+  float* xs = scratch(xbuf, M * K);
+  float* xsum = scratch(sbuf, M * G);
+  std::fill(xsum, xsum + M * G, 0.f);
   for (int64_t m = 0; m < M; ++m) {
     const T* xr = x.data_ptr<T>() + m * x.stride(0);
     for (int64_t k = 0; k < K; ++k) {
@@ -182,101 +337,90 @@ void int4_rows(const at::Tensor& x, const uint8_t* w, const float* s, const floa
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wr = w + n * (K / 2);
-      __builtin_prefetch(wr + 2048);
       for (int64_t m = 0; m < M; ++m) {
         float acc = 0.f;
         for (int64_t j = 0; j < G; ++j)
-          acc += s[n * G + j] * q_dot(wr + j * g / 2, xs.data() + m * K + j * g, g) - sz[n * G + j] * xsum[m * G + j];
+          acc += s[n * G + j] * q_dot_f32(wr + j * g / 2, xs + m * K + j * g, g) - sz[n * G + j] * xsum[m * G + j];
         y[m * N + n] = static_cast<T>(acc + (bias ? bias[n] : 0.f));
       }
     }
   });
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// bf16/fp16 activations, as llama.cpp's q4_0 x q8_0: the activations are quantized to int8 per 32-element block
-// (scale max|x| / 127, one rounding of at most half a step), and a block's 32 products are integer multiply-adds
-// (vpmaddubsw: unsigned nibble x signed int8, pair sums <= 2 * 15 * 127, no saturation; then vpmaddwd), about
-// 8 instructions per 32 weights against 17 for widening to float. One float FMA per block applies s_w * s_x.
+#if LEVERLAB_QUANT_AVX2
 // The zero point's term s z sum(x) uses the quantized x's block sums, so the result is exactly that of the
 // dequantized weight times the quantized activations.
-// Row n's dot products with activation rows r0 .. r0 + MG (a compile-time count keeps the accumulators in
-// registers); returns them without the zero-point term.
-template <int MG>
-inline void q8_dots(const uint8_t* wr, const float* s_row, int64_t bpg, const int8_t* xq, const float* xsc,
-                    int64_t K, int64_t B, int64_t r0, float* out) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  __m256 acc[MG];
-  for (int m = 0; m < MG; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < B; ++b) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + b * 16));
-    const __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low4), _mm_and_si128(v, low4));
-    const float ws = s_row[b / bpg];
-#pragma GCC unroll 4
-    for (int m = 0; m < MG; ++m) {
-      const int64_t r = r0 + m;
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * 32));
-      const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wq, xv), ones));
-      acc[m] = _mm256_fmadd_ps(p, _mm256_set1_ps(ws * xsc[r * B + b]), acc[m]);
-    }
-  }
-  for (int m = 0; m < MG; ++m) out[m] = hsum8(acc[m]);
-}
-
 template <typename T>
 void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const float* s, const float* sz, int64_t g,
                   const float* bias, T* y, int64_t N, int64_t K) {
-  const int64_t M = x.size(0), G = K / g, B = K / 32, bpg = g / 32;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xsc(M * B), gsum(M * G, 0.f);  // block scales; per group, the sum of the quantized x
-  for (int64_t m = 0; m < M; ++m) {
-    const T* xr = x.data_ptr<T>() + m * x.stride(0);
-    for (int64_t b = 0; b < B; ++b) {
-      float amax = 0.f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::abs(static_cast<float>(xr[b * 32 + i])));
-      const float sc = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t isum = 0;
-      for (int i = 0; i < 32; ++i) {
-        const int v = static_cast<int>(std::nearbyint(static_cast<float>(xr[b * 32 + i]) * inv));
-        xq[m * K + b * 32 + i] = static_cast<int8_t>(v);
-        isum += v;
-      }
-      xsc[m * B + b] = sc;
-      gsum[m * G + b / bpg] += sc * static_cast<float>(isum);
+  static thread_local std::vector<float> gbuf;
+  const QuantizedRows xq = quantize_q8<T>(x);
+  const int64_t M = x.size(0), G = K / g, bpg = g / 32;
+  const int gshift = __builtin_ctzll(bpg);  // the caller checked that bpg is a power of two
+  float* gsum = scratch(gbuf, M * G);  // per group: the sum of the quantized x
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < G; ++j) {
+      float acc = 0.f;
+      for (int64_t b = j * bpg; b < (j + 1) * bpg; ++b) acc += xq.scale[m * xq.B + b] * static_cast<float>(xq.sum[m * xq.B + b]);
+      gsum[m * G + j] = acc;
     }
-  }
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    float dots[4];
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wr = w + n * (K / 2);
-      __builtin_prefetch(wr + 2048);
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {  // groups of 4 rows; the weight row is re-read from L1
-        const int64_t mg = std::min<int64_t>(4, M - m0);
-        switch (mg) {
-          case 1: q8_dots<1>(wr, s + n * G, bpg, xq.data(), xsc.data(), K, B, m0, dots); break;
-          case 2: q8_dots<2>(wr, s + n * G, bpg, xq.data(), xsc.data(), K, B, m0, dots); break;
-          case 3: q8_dots<3>(wr, s + n * G, bpg, xq.data(), xsc.data(), K, B, m0, dots); break;
-          default: q8_dots<4>(wr, s + n * G, bpg, xq.data(), xsc.data(), K, B, m0, dots); break;
-        }
-        for (int64_t m = 0; m < mg; ++m) {
+      row_groups(M, [&](auto mg, int64_t m0, float* out) {
+        u4_dots<decltype(mg)::value>(wr, s + n * G, gshift, xq, m0, out);
+        for (int m = 0; m < decltype(mg)::value; ++m) {
           const int64_t r = m0 + m;
           float zterm = 0.f;
           for (int64_t j = 0; j < G; ++j) zterm += sz[n * G + j] * gsum[r * G + j];
-          y[r * N + n] = static_cast<T>(dots[m] - zterm + (bias ? bias[n] : 0.f));
+          y[r * N + n] = static_cast<T>(out[m] - zterm + (bias ? bias[n] : 0.f));
         }
-      }
+      });
     }
   });
 }
 #endif
 
+template <typename T>
+constexpr bool kHalfWidth = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
+
 }  // namespace
 
+// x [M, K] (float32 / bf16 / fp16), w [N, K] int8, scale [N] float32, bias [N] or none -> [M, N] in x's dtype.
+// Streams for up to quant_max_rows() rows; above that, aten's matmul on the dequantized weight. quantize_x: bf16/fp16
+// activations take the integer path (per-32-block int8 activations; needs K % 32 == 0), else the weight-only one.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias, bool quantize_x) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "int8_linear: x [M, K], w [N, K]");
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous(), "int8_linear: contiguous int8 weight");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == w.size(0), "int8_linear: float32 scale [N]");
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  if (M > quant_max_rows() || x.stride(1) != 1) {
+    at::Tensor y = at::mm(x, w.t().to(x.scalar_type())) * scale.to(x.scalar_type());
+    return bias.has_value() && bias->defined() ? y + *bias : y;
+  }
+  auto y = at::empty({M, N}, x.options());
+  at::Tensor b32;
+  const float* bp = bias_f32(bias, b32);
+  auto sc = scale.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
+#if LEVERLAB_QUANT_AVX2
+    if constexpr (kHalfWidth<scalar_t>) {
+      if (quantize_x && K % 32 == 0) {
+        int8_rows_q8<scalar_t>(x, w.data_ptr<int8_t>(), sc.data_ptr<float>(), bp, y.data_ptr<scalar_t>(), N, K);
+        return;
+      }
+    }
+#endif
+    int8_rows_f32<scalar_t>(x, w.data_ptr<int8_t>(), sc.data_ptr<float>(), bp, y.data_ptr<scalar_t>(), N, K);
+  });
+  return y;
+}
+
 // x [M, K], packed [N, K / 2] uint8 (the layout above), scales and scaled zeros (s * z) [N, K / g] float32 ->
-// [M, N] in x's dtype. Up to 8 rows stream; more rows dequantize the weight and take aten's matmul. float32
-// activations are used as they are (exact against the dequantized weight); bf16/fp16 ones, with AVX2, are
-// quantized to int8 per 32-block for integer dot products (int4_rows_q8).
+// [M, N] in x's dtype. Up to quant_max_rows() rows stream; more dequantize the weight and take aten's matmul.
+// float32 activations are used as they are (exact against the dequantized weight); bf16/fp16 ones, with AVX2,
+// take the integer path.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& szeros, int64_t group, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) == 2 * packed.size(1), "int4_linear: x [M, K], w [N, K/2]");
@@ -287,12 +431,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                   szeros.is_contiguous() && scales.numel() == N * (K / group) && szeros.numel() == scales.numel(),
               "int4_linear: float32 scales and scaled zeros [N, K / group]");
   at::Tensor b32;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    b32 = bias->to(at::kFloat).contiguous();
-    bp = b32.data_ptr<float>();
-  }
-  if (M > 8 || x.stride(1) != 1) {
+  const float* bp = bias_f32(bias, b32);
+  if (M > quant_max_rows() || x.stride(1) != 1) {
     auto p = packed.view({N, K / 32, 16});
     auto q = at::cat({at::bitwise_and(p, 15), at::bitwise_right_shift(p, 4)}, 2).view({N, K}).to(at::kFloat);
     auto w = (q.view({N, K / group, group}) * scales.view({N, K / group, 1}) - szeros.view({N, K / group, 1}));
@@ -302,15 +442,18 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   }
   auto y = at::empty({M, N}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int4_linear", [&] {
-#if defined(__AVX2__) && defined(__FMA__)
-    if constexpr (!std::is_same_v<scalar_t, float> && !std::is_same_v<scalar_t, double>) {
-      int4_rows_q8<scalar_t>(x, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), szeros.data_ptr<float>(), group,
-                             bp, y.data_ptr<scalar_t>(), N, K);
-      return;
+#if LEVERLAB_QUANT_AVX2
+    if constexpr (kHalfWidth<scalar_t>) {
+      const int64_t bpg = group / 32;  // 2^i blocks per group: every group size we make (quant/int4.py)
+      if ((bpg & (bpg - 1)) == 0) {
+        int4_rows_q8<scalar_t>(x, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), szeros.data_ptr<float>(),
+                               group, bp, y.data_ptr<scalar_t>(), N, K);
+        return;
+      }
     }
 #endif
-    int4_rows<scalar_t>(x, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), szeros.data_ptr<float>(), group, bp,
-                        y.data_ptr<scalar_t>(), N, K);
+    int4_rows_f32<scalar_t>(x, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), szeros.data_ptr<float>(), group, bp,
+                            y.data_ptr<scalar_t>(), N, K);
   });
   return y;
 }
