@@ -244,16 +244,18 @@ class LLMEngine:
     def _choose_tokens(self, result) -> list[tuple[Sequence, list[int], torch.Tensor]]:
         """Sample each sequence's next token; verify drafted ones and roll their rejected KV back.
         Returns (sequence, emitted tokens, the logits rows they came from)."""
-        plain, plain_rows, out, off = [], [], [], 0
+        plain, plain_rows, plain_argmax, out, off = [], [], [], [], 0
         spans = []
         for seq, k1 in zip(result.sample_seqs, result.rows_per_seq):
-            spans.append((seq, result.logits[off : off + k1]))
+            spans.append((seq, result.logits[off : off + k1], off))
             off += k1
-        for seq, rows in spans:
+        for seq, rows, row0 in spans:
             if not seq.spec_token_ids:
                 self._draft_probs.pop(seq.seq_id, None)  # drafts dropped (budget, blocks): nothing to verify
                 plain.append(seq)
                 plain_rows.append(rows)
+                if result.argmax is not None:
+                    plain_argmax.append(result.argmax[row0])
                 continue
             drafts = seq.spec_token_ids
             tokens = verify(seq, rows, drafts, self._draft_probs.pop(seq.seq_id, None))
@@ -269,8 +271,10 @@ class LLMEngine:
                 self.adaptive.observe_verify(seq.seq_id, len(drafts), accepted)
             out.append((seq, tokens, rows))
         if plain:
-            logits = torch.cat(plain_rows)
-            for seq, tok, rows in zip(plain, sample(logits, plain, self.eos_token_ids), plain_rows):
+            # One row each: without speculation that is the whole logits tensor, as it came.
+            logits = result.logits if len(plain) == len(result.logits) else torch.cat(plain_rows)
+            tokens = sample(logits, plain, self.eos_token_ids, plain_argmax if result.argmax is not None else None)
+            for seq, tok, rows in zip(plain, tokens, plain_rows):
                 out.append((seq, [tok], rows))
         return out
 

@@ -49,6 +49,7 @@ class StepLogits:
     # position, first row, rows). After verification only the rows of kept positions are valid.
     aux: torch.Tensor | None = None
     aux_spans: list[tuple[Sequence, int, int, int]] | None = None
+    argmax: list[int] | None = None  # per row of `logits`, when the fused step computed it
 
 
 class ModelRunner:
@@ -144,36 +145,23 @@ class ModelRunner:
                 k = min(end, seq.num_prompt_tokens - 1) - start
                 if k > 0:
                     prompt_rows.append((seq, start + 1, row0, k))
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
-
-        def t(x):
-            return torch.tensor(x, dtype=torch.int64, device=self.device)
-
         rows = sample_rows + [r for (_, _, r0, k) in prompt_rows for r in range(r0, r0 + k)]
-        if self.step_hook is not None:  # tensor parallel: the other ranks run this same step
-            self.step_hook(ids, positions, slots, tables, seq_lens, starts, rows)
-        # The 1-D inputs in one tensor and views of it: one host copy instead of five (each ~5 us).
-        nt, nb = len(ids), len(seq_lens)
-        flat = t(ids + positions + slots + seq_lens + starts)
-        ids_t, pos_t, slots_t = flat[:nt], flat[nt:2 * nt], flat[2 * nt:3 * nt]
-        meta = AttentionMetadata(slot_mapping=slots_t, block_tables=t(tables), seq_lens=flat[3 * nt:3 * nt + nb],
-                                 query_start_loc=flat[3 * nt + nb:], max_query_len=max(batch.num_new_tokens))
-        if self.fused is not None and self.fused.takes(meta, nt):
-            hidden = self.fused(ids_t, pos_t, meta)  # [T, H], one C++ call
+        nt = len(ids)
+        fused = self.fused is not None and self.fused.takes(max(batch.num_new_tokens), nt)
+        argmax = None
+        if fused and self.fused.takes_head(len(rows)):
+            # The decoder and the head in one C++ call from plain lists: no tensors built here, logits as
+            # compute_logits gives them, and their argmax for greedy sampling.
+            hidden, aux, logits, argmax = self.fused.step(ids, positions, slots, [s.block_table for s in batch.seqs],
+                                                          seq_lens, starts, rows)
             self.fused_steps += 1
         else:
-            with forward_context(meta, self.kv_caches, self.kv_scales):
-                # Fresh tensors, not views at varying offsets: a compiled graph would guard on the offset.
-                hidden = self.forward(t(ids), t(positions))  # [T, H]
-        aux = None
-        if isinstance(hidden, tuple):  # EAGLE: (hidden, aux [T, A*H])
-            hidden, aux = hidden
-        # Sampling runs on the host (per-sequence CPU generators): logits are small next to the weights.
-        if not prompt_rows and len(sample_rows) == len(ids):  # every row, in order (sample rows ascend): decode
-            logits = self.model.compute_logits(hidden).cpu()
-        else:
-            logits = self.model.compute_logits(hidden[t(rows)]).cpu() if rows else torch.empty(0, 0)
+            hidden, aux = self._forward(batch, ids, positions, slots, seq_lens, starts, rows, fused)
+            # Sampling runs on the host (per-sequence CPU generators): logits are small next to the weights.
+            if not prompt_rows and len(sample_rows) == nt:  # every row, in order (sample rows ascend): decode
+                logits = self.model.compute_logits(hidden).cpu()
+            else:
+                logits = self.model.compute_logits(hidden[self._i64(rows)]).cpu() if rows else torch.empty(0, 0)
         prompt_logits, off = [], len(sample_rows)
         for seq, first, _, k in prompt_rows:
             prompt_logits.append((seq, first, logits[off:off + k]))
@@ -182,4 +170,30 @@ class ModelRunner:
         if aux is not None:
             spans = [(s, s.num_computed_tokens, starts[i], n) for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))]
         return StepLogits(sample_seqs, logits[: len(sample_rows)], [1 + len(s.spec_token_ids) for s in sample_seqs],
-                          prompt_logits, aux, spans)
+                          prompt_logits, aux, spans, argmax[: len(sample_rows)] if argmax is not None else None)
+
+    def _i64(self, x) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int64, device=self.device)
+
+    def _forward(self, batch: ScheduledBatch, ids, positions, slots, seq_lens, starts, rows, fused: bool):
+        """The decoder from tensors: the fused forward without its head, or the module path (and the other
+        tensor-parallel ranks). Returns (hidden [T, H], EAGLE's aux [T, A * H] or None)."""
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        if self.step_hook is not None:  # tensor parallel: the other ranks run this same step
+            self.step_hook(ids, positions, slots, tables, seq_lens, starts, rows)
+        # The 1-D inputs in one tensor and views of it: one host copy instead of five (each ~5 us).
+        nt, nb = len(ids), len(seq_lens)
+        flat = self._i64(ids + positions + slots + seq_lens + starts)
+        ids_t, pos_t, slots_t = flat[:nt], flat[nt:2 * nt], flat[2 * nt:3 * nt]
+        meta = AttentionMetadata(slot_mapping=slots_t, block_tables=self._i64(tables),
+                                 seq_lens=flat[3 * nt:3 * nt + nb], query_start_loc=flat[3 * nt + nb:],
+                                 max_query_len=max(batch.num_new_tokens))
+        if fused:
+            hidden = self.fused(ids_t, pos_t, meta)  # [T, H], one C++ call
+            self.fused_steps += 1
+        else:
+            with forward_context(meta, self.kv_caches, self.kv_scales):
+                # Fresh tensors, not views at varying offsets: a compiled graph would guard on the offset.
+                hidden = self.forward(self._i64(ids), self._i64(positions))  # [T, H]
+        return hidden if isinstance(hidden, tuple) else (hidden, None)  # EAGLE: (hidden, aux [T, A*H])

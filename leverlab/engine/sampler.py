@@ -9,10 +9,13 @@ from leverlab.outputs import PositionLogprobs
 from leverlab.sampling_params import SamplingParams
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> list[int]:
-    """logits [B, V] float32, one row per sequence that needs a token. Returns one token id per row."""
-    logits = _apply_min_tokens(logits, seqs, eos_ids)
-    greedy = logits.argmax(dim=-1).tolist()
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...],
+           argmax: list[int] | None = None) -> list[int]:
+    """logits [B, V] float32, one row per sequence that needs a token. Returns one token id per row.
+    argmax: each row's argmax when the caller has it already (the fused step computes it with the logits)."""
+    masked = _apply_min_tokens(logits, seqs, eos_ids)
+    greedy = argmax if argmax is not None and masked is logits else masked.argmax(dim=-1).tolist()
+    logits = masked
     tokens = []
     for row, seq in enumerate(seqs):
         if seq.params.greedy:

@@ -5,9 +5,10 @@ pays about a hundred op calls and their Python frames, each a few microseconds, 
 weight reads for the bundled 15M model. `FusedDecoder` (layers/csrc/fused_decoder.cpp) runs the same layers in
 one native loop, as llama.cpp does, over the model's own tensors (no copy of any weight).
 
-It serves steps whose sequences each have at most MAX_SPAN new tokens, on the CPU, for the plain decoder at one
-tensor-parallel rank with a float KV cache. Everything else (prefill chunks, quantization methods it does not
-know, EAGLE's feature layers, tensor parallelism) keeps the module path; `fused_decoder()` says why not.
+It serves steps whose sequences each have at most MAX_SPAN new tokens, on the CPU, at one tensor-parallel rank
+with a float KV cache; with EAGLE it also returns the feature layers' outputs, as the module forward does.
+Everything else (prefill chunks, quantization methods it does not know, tensor parallelism, a quantized KV cache)
+keeps the module path; `fused_decoder()` says why not.
 Numerics follow the module path op for op (the fused tests compare the two in float32, token for token).
 """
 
@@ -59,8 +60,8 @@ def _build(model: CausalLM, kv_caches, kv_cache_dtype: str, tp_size: int):
         raise _NotFused("LEVERLAB_NO_FUSED_DECODE=1")
     if model.lm_head.weight.device.type != "cpu":
         raise _NotFused("not on the CPU")
-    if tp_size > 1 or model.aux_layers or kv_cache_dtype != "auto":
-        raise _NotFused("tensor parallelism, EAGLE feature layers or a quantized KV cache")
+    if tp_size > 1 or kv_cache_dtype != "auto":
+        raise _NotFused("tensor parallelism or a quantized KV cache")
     kern = cpu_kernels.kernels()
     if kern is None:
         raise _NotFused("the C++ kernels are not built here")
@@ -86,20 +87,54 @@ def _build(model: CausalLM, kv_caches, kv_cache_dtype: str, tp_size: int):
     norm = model.model.norm
     dec = kern.FusedDecoder(model.model.embed_tokens.weight.data, norm.weight.data, rotary.cos, rotary.sin,
                             layers, kinds, windows, list(kv_caches), cfg.num_heads, cfg.num_kv_heads,
-                            cfg.head_dim, float(norm.eps), float(model.model.layers[0].self_attn.scale))
+                            cfg.head_dim, float(norm.eps), float(model.model.layers[0].self_attn.scale),
+                            list(model.aux_layers))
+    head_rows = _set_head(dec, model, dtype)
     # Quantized linears stream up to STREAMING_MAX_ROWS rows; past that the module path's batched kernels (fbgemm).
-    return FusedForward(dec, max_tokens=STREAMING_MAX_ROWS if any(kinds) else None)
+    return FusedForward(dec, max_tokens=STREAMING_MAX_ROWS if any(kinds) else None, head_rows=head_rows)
+
+
+def _set_head(dec, model: CausalLM, dtype: torch.dtype) -> int:
+    """Give the C++ side the output head, so that a step's logits come out of the same call; returns the most
+    rows it takes there (0: none; the head stays in CausalLM.compute_logits). A quantized head takes its
+    streaming kernel's rows only: more rows go to the batched kernel in the module path, whose numerics differ."""
+    head = model.lm_head
+    if head.bias is not None:
+        return 0
+    if head.quant_method is None:
+        if head.weight.dtype != dtype:
+            return 0
+        dec.set_head(0, head.weight.data, None)
+        return 1 << 30
+    weights = head.quant_method.fused_weights(head)
+    if weights is None:
+        return 0
+    kind, (w, scale, _) = weights
+    dec.set_head(kind, w, scale)
+    return STREAMING_MAX_ROWS
 
 
 class FusedForward:
-    def __init__(self, dec, max_tokens: int | None):
-        self.dec, self.max_tokens = dec, max_tokens
+    def __init__(self, dec, max_tokens: int | None, head_rows: int = 0):
+        self.dec, self.max_tokens, self.head_rows = dec, max_tokens, head_rows
 
-    def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+    def takes(self, max_query_len: int, num_tokens: int) -> bool:
         """Whether this step is short enough for the fused path."""
-        return meta.max_query_len <= MAX_SPAN and (self.max_tokens is None or num_tokens <= self.max_tokens)
+        return max_query_len <= MAX_SPAN and (self.max_tokens is None or num_tokens <= self.max_tokens)
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """ids, positions [T] -> the final normed hidden states [T, H], as CausalLM.forward returns them."""
-        return self.dec.forward(ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                                meta.query_start_loc)
+    def takes_head(self, rows: int) -> bool:
+        """Whether step() can compute the logits of this many rows."""
+        return rows <= self.head_rows
+
+    def step(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+             seq_lens: list[int], starts: list[int], rows: list[int]):
+        """The whole step from plain lists: (hidden [T, H], aux [T, A * H] or None, float32 logits [R, V] of
+        `rows`, their argmax as a list)."""
+        return self.dec.step(ids, positions, slots, tables, seq_lens, starts, rows)
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        """ids, positions [T] -> the final normed hidden states [T, H] (with EAGLE's aux layers, the pair
+        (hidden, aux [T, A * H])), as CausalLM.forward returns them."""
+        out = self.dec.forward(ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                               meta.query_start_loc)
+        return out[0] if len(out) == 1 else tuple(out)

@@ -60,6 +60,16 @@ def test_fused_forward_close_in_bfloat16(checkpoint_factory):
     assert (logits_e - logits_g).abs().max() < 0.1 * logits_e.abs().max()
 
 
+def test_fused_forward_returns_eagle_aux_layers(checkpoint_factory):
+    """With EAGLE's feature layers set, the fused forward returns (hidden, aux) as the modules do, in float32."""
+    model = load_model(checkpoint_factory("qwen3"), "float32")
+    model.aux_layers = (0, 1)
+    (h_e, aux_e), (h_g, aux_g) = both_paths(model, torch.float32, [1, 3])
+    assert aux_g.shape == aux_e.shape == (4, 2 * model.config.hidden_size)
+    torch.testing.assert_close(h_g, h_e, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(aux_g, aux_e, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ("qwen3", "qwen2"))
 def test_engine_tokens_identical_with_and_without_fused_path(checkpoint_factory, monkeypatch, arch):
     path = checkpoint_factory(arch)

@@ -14,7 +14,9 @@
 // Shapes: T rows (the step's new tokens, sequence after sequence), H hidden, NH query heads, NKV KV heads, D
 // head size, I intermediate size.
 #include <torch/extension.h>
+#include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 #include "vec_math.h"
@@ -95,9 +97,10 @@ class FusedDecoder {
   FusedDecoder(at::Tensor embed, at::Tensor final_norm, at::Tensor cos, at::Tensor sin,
                std::vector<std::vector<c10::optional<at::Tensor>>> layer_tensors, std::vector<int64_t> lin_kinds,
                std::vector<int64_t> windows, std::vector<at::Tensor> kv_caches, int64_t num_heads,
-               int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
+               int64_t num_kv_heads, int64_t head_dim, double eps, double scale, std::vector<int64_t> aux_layers)
       : embed_(embed), final_norm_(final_norm), cos_(cos.contiguous()), sin_(sin.contiguous()),
-        kv_caches_(std::move(kv_caches)), nh_(num_heads), nkv_(num_kv_heads), d_(head_dim), eps_(eps), scale_(scale) {
+        kv_caches_(std::move(kv_caches)), aux_layers_(std::move(aux_layers)), nh_(num_heads), nkv_(num_kv_heads),
+        d_(head_dim), eps_(eps), scale_(scale) {
     // Per layer, 16 entries: in_norm, post_norm, q_norm, k_norm, then (weight, scale, bias) for qkv, o, gate_up,
     // down; lin_kinds holds 4 kinds per layer.
     TORCH_CHECK(layer_tensors.size() == windows.size() && lin_kinds.size() == 4 * windows.size() &&
@@ -123,10 +126,55 @@ class FusedDecoder {
     }
   }
 
-  // ids, positions [T] int64 and the attention layout (as AttentionMetadata) -> final normed hidden [T, H].
-  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
-                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc) {
-    at::Tensor out;
+  // The output head for step(): kind as for the layers (0: float weight [V, H], the tied embedding included).
+  void set_head(int64_t kind, at::Tensor w, c10::optional<at::Tensor> scale) {
+    head_.kind = kind;
+    head_.w = w;
+    head_.scale = scale.has_value() ? *scale : at::Tensor();
+  }
+
+  // A whole short step from plain lists, so that Python builds no tensors: the forward, then the head's logits for
+  // `rows` (float32 [R, V], as CausalLM.compute_logits returns them) and each row's argmax (the first maximum, as
+  // torch.argmax). tables: one block table per sequence (any lengths). Returns (hidden [T, H], aux or None,
+  // logits, argmax).
+  std::tuple<at::Tensor, c10::optional<at::Tensor>, at::Tensor, std::vector<int64_t>> step(
+      const std::vector<int64_t>& ids, const std::vector<int64_t>& positions, const std::vector<int64_t>& slots,
+      const std::vector<std::vector<int64_t>>& tables, const std::vector<int64_t>& seq_lens,
+      const std::vector<int64_t>& qsl, const std::vector<int64_t>& rows) {
+    TORCH_CHECK(head_.w.defined(), "FusedDecoder.step: set_head first");
+    const int64_t B = static_cast<int64_t>(tables.size()), T_ = static_cast<int64_t>(ids.size());
+    int64_t width = 1;
+    for (const auto& t : tables) width = std::max<int64_t>(width, static_cast<int64_t>(t.size()));
+    at::Tensor bt = at::zeros({B, width}, at::kLong);
+    for (int64_t b = 0; b < B; ++b) std::copy(tables[b].begin(), tables[b].end(), bt.data_ptr<int64_t>() + b * width);
+    auto i64 = [](const std::vector<int64_t>& v) { return at::tensor(at::ArrayRef<int64_t>(v), at::kLong); };
+    std::vector<at::Tensor> out = forward(i64(ids), i64(positions), i64(slots), bt, i64(seq_lens), i64(qsl));
+    const at::Tensor& hidden = out[0];
+    bool all_rows = static_cast<int64_t>(rows.size()) == T_;
+    for (int64_t r = 0; all_rows && r < T_; ++r) all_rows = rows[r] == r;
+    at::Tensor logits = at::empty({0, 0}, hidden.options().dtype(at::kFloat));
+    std::vector<int64_t> best(rows.size());
+    if (!rows.empty()) {
+      logits = apply(head_, all_rows ? hidden : hidden.index_select(0, i64(rows))).to(at::kFloat);
+      const int64_t V = logits.size(1);
+      for (size_t r = 0; r < rows.size(); ++r) {
+        const float* l = logits.data_ptr<float>() + r * V;
+        int64_t arg = 0;
+        for (int64_t v = 1; v < V; ++v)
+          if (l[v] > l[arg]) arg = v;
+        best[r] = arg;
+      }
+    }
+    c10::optional<at::Tensor> aux = out.size() > 1 ? c10::optional<at::Tensor>(out[1]) : c10::nullopt;
+    return {hidden, aux, logits, best};
+  }
+
+  // ids, positions [T] int64 and the attention layout (as AttentionMetadata) -> [final normed hidden [T, H]], and
+  // with aux layers (EAGLE's features) also their outputs concatenated [T, A * H], as CausalLM.forward returns.
+  std::vector<at::Tensor> forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  const at::Tensor& query_start_loc) {
+    std::vector<at::Tensor> out;
     AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, embed_.scalar_type(), "fused_decoder", [&] {
       out = run<scalar_t>(ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc);
     });
@@ -135,8 +183,8 @@ class FusedDecoder {
 
  private:
   template <typename T>
-  at::Tensor run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slots,
-                 const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& qsl) {
+  std::vector<at::Tensor> run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slots,
+                              const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& qsl) {
     const int64_t T_ = ids.size(0), H = embed_.size(1), D = d_, QW = nh_ * D, KW = nkv_ * D;
     const float eps = static_cast<float>(eps_);
     const int64_t* pos = positions.data_ptr<int64_t>();
@@ -144,6 +192,8 @@ class FusedDecoder {
     for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position out of range");
     at::Tensor x = embed_.index_select(0, ids);  // [T, H] residual stream
     at::Tensor h = at::empty_like(x);
+    at::Tensor aux;  // the aux layers' outputs (the residual stream after each), side by side
+    if (!aux_layers_.empty()) aux = at::empty({T_, static_cast<int64_t>(aux_layers_.size()) * H}, x.options());
     std::vector<T> tmp(D);
     for (const Layer& l : layers_) {
       // ---- attention block
@@ -182,10 +232,14 @@ class FusedDecoder {
         for (int64_t i = 0; i < I; ++i)  // silu(gate), rounded to T as torch's op does, times up
           a[t * I + i] = static_cast<T>(silu(static_cast<float>(g[t * 2 * I + i]))) * g[t * 2 * I + I + i];
       add_into<T>(x, apply(l.down, act));
+      const int64_t li = &l - layers_.data();
+      for (size_t j = 0; j < aux_layers_.size(); ++j)
+        if (aux_layers_[j] == li) aux.narrow(1, static_cast<int64_t>(j) * H, H).copy_(x);
     }
     at::Tensor y = at::empty_like(x);
     rms_norm_rows<T>(x.data_ptr<T>(), final_norm_.data_ptr<T>(), y.data_ptr<T>(), T_, H, eps);
-    return y;
+    if (aux.defined()) return {y, aux};
+    return {y};
   }
 
   template <typename T>
@@ -196,7 +250,9 @@ class FusedDecoder {
   }
 
   at::Tensor embed_, final_norm_, cos_, sin_;
+  Lin head_;  // set_head(); step() applies it
   std::vector<at::Tensor> kv_caches_;  // per layer [2, num_blocks, block_size, NKV, D]
+  std::vector<int64_t> aux_layers_;  // layer indices whose outputs forward() also returns (EAGLE)
   std::vector<Layer> layers_;
   int64_t nh_, nkv_, d_;
   double eps_, scale_;
@@ -207,9 +263,14 @@ void bind_fused_decoder(pybind11::module& m) {
       .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                           std::vector<std::vector<c10::optional<at::Tensor>>>, std::vector<int64_t>,
                           std::vector<int64_t>, std::vector<at::Tensor>, int64_t, int64_t, int64_t, double,
-                          double>())
+                          double, std::vector<int64_t>>())
       // The GIL is released for the forward: the server's event loop (another thread) writes the previous
       // step's tokens to their streams while this step computes, instead of waiting for it.
+      .def("set_head", &FusedDecoder::set_head, "kind, weight, scale or None: the output head for step()")
+      .def("step", &FusedDecoder::step, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "ids, positions, slots, block tables, seq_lens, query_start_loc, rows (lists) -> (hidden, aux or None, "
+           "float32 logits of rows, their argmax)")
       .def("forward", &FusedDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
-           "ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc -> final normed hidden [T, H]");
+           "ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc -> [final normed hidden [T, H]] "
+           "(+ the aux layers' outputs [T, A * H] when it has aux layers)");
 }

@@ -23,6 +23,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "stream_hint.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define LEVERLAB_QUANT_AVX2 1
@@ -157,6 +159,7 @@ inline void i8_dots(const int8_t* wr, const QuantizedRows& x, int64_t r0, float*
   };
   int64_t b = 0;
   for (; b + 2 <= x.B; b += 2) {
+    prefetch_stream(wr + b * 32 + kStreamAhead);
     step(b, 0);
     step(b + 1, 1);
   }
@@ -183,6 +186,7 @@ inline void u4_dots(const uint8_t* wr, const float* s_row, int gshift, const Qua
   };
   int64_t b = 0;
   for (; b + 2 <= x.B; b += 2) {
+    if ((b & 3) == 0) prefetch_stream(wr + b * 16 + kStreamAhead);  // one 64-byte line per 4 blocks
     step(b, 0);
     step(b + 1, 1);
   }
