@@ -1,7 +1,10 @@
 """The bandwidth model: what each configuration should do if decode were bound by memory reads.
 
 One decode pass reads every weight once plus the KV cache of each sequence in the batch:
-    bytes_per_pass = linear_params * bits/8 + head_and_embedding_params * dtype_bytes + B * context * kv_bytes
+    bytes_per_pass = linear_params * bits/8 + head_params * head_bits/8 + other_params' * dtype_bytes
+                     + B * context * kv_bytes
+(the output head in int8 under int8/int4, as the engine's --lm-head-quantization auto puts it; other_params' the
+embedding and norms left beside it)
 and produces B * tokens_per_pass tokens, where tokens_per_pass = G / (G - A) from the server's counters
 (G tokens generated, A draft tokens accepted: every pass yields exactly one token of its own plus the accepted
 drafts). So:
@@ -41,10 +44,11 @@ GAP_THRESHOLD = 0.25  # |measured / predicted - 1| above this gets an explanatio
 @dataclass(frozen=True)
 class ModelFacts:
     linear_params: int  # the decoder layers' matmul weights (what quantization shrinks)
-    other_params: int  # embeddings / tied head / norms: kept in the model dtype
+    other_params: int  # embeddings / tied head / norms (the head among them: head_params)
     num_layers: int
     kv_heads: int
     head_dim: int
+    head_params: int = 0  # the output head's weights (vocab x hidden), read once per pass
 
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelFacts:
@@ -55,7 +59,8 @@ class ModelFacts:
         linear = c.num_layers * (
             c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
         )
-        return cls(linear, c.num_params() - linear, c.num_layers, c.num_kv_heads, c.head_dim)
+        return cls(linear, c.num_params() - linear, c.num_layers, c.num_kv_heads, c.head_dim,
+                   c.vocab_size * c.hidden_size)
 
     @property
     def num_params(self) -> int:
@@ -65,6 +70,17 @@ class ModelFacts:
 def weight_bits(levers: Levers) -> float:
     if levers.quantization:
         return QUANT_BITS.get(levers.quantization, 8.0)
+    return DTYPE_BITS.get(levers.dtype, 16)
+
+
+def head_bits(levers: Levers) -> float:
+    """The output head's storage bits: int8 under int8/int4 (the engine's default), its own method's for
+    int4+head, the model dtype otherwise (fp8, AWQ/GPTQ keep it)."""
+    q = levers.quantization or ""
+    if q == "int4+head":
+        return QUANT_BITS["int4"]
+    if q.startswith(("int8", "int4")):
+        return QUANT_BITS["int8"]
     return DTYPE_BITS.get(levers.dtype, 16)
 
 
@@ -80,7 +96,9 @@ def kv_bytes_per_token(facts: ModelFacts, levers: Levers) -> float:
 
 def bytes_per_pass(facts: ModelFacts, levers: Levers, context: float, batch: int = 1) -> float:
     weights = (
-        facts.linear_params * weight_bits(levers) / 8 + facts.other_params * DTYPE_BITS[levers.dtype] / 8
+        facts.linear_params * weight_bits(levers) / 8
+        + facts.head_params * head_bits(levers) / 8
+        + (facts.other_params - facts.head_params) * DTYPE_BITS[levers.dtype] / 8
     )
     # Tensor parallelism splits the weight reads over devices (each reads 1/tp of them, in parallel).
     weights /= max(1, levers.tensor_parallel_size)

@@ -409,7 +409,9 @@ def build(a: dict[str, Any], out_dir: Path, plots: dict[str, Path]) -> Doc:
     if mf:
         d.p(
             f"Bytes per pass = {mf['linear_params'] / 1e6:.1f}M matmul weights x bits/8 + "
-            f"{mf['other_params'] / 1e6:.1f}M embedding/head/norm weights in the model dtype + KV cache of "
+            f"{mf.get('head_params', 0) / 1e6:.1f}M output-head weights (int8 under int8/int4, else the model "
+            f"dtype) + {(mf['other_params'] - mf.get('head_params', 0)) / 1e6:.1f}M other embedding/norm weights "
+            "in the model dtype + KV cache of "
             f"{fmt(a.get('prediction_context_tokens'), '.0f')} tokens of context; bandwidth "
             f"{fmt(a.get('bandwidth_gbs'), '.1f')} GB/s measured; tokens per pass from the server's counters "
             "(generated / (generated - accepted drafts)). Roofline = tokens per pass x bandwidth / bytes; "
