@@ -25,7 +25,8 @@ def _json_object(s: str) -> dict:
 ENGINE_FIELDS = (
     "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size",
     "num_kv_blocks", "kv_cache_memory", "kv_cache_memory_fraction", "enable_prefix_caching", "quantization",
-    "kv_cache_dtype", "lm_head_quantization", "speculative_config", "tensor_parallel_size", "execution_mode", "num_threads", "seed",
+    "kv_cache_dtype", "lm_head_quantization", "speculative_config", "tensor_parallel_size", "execution_mode",
+    "num_threads", "seed",
 )
 
 

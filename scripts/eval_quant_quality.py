@@ -7,9 +7,9 @@ against the unquantized model, on held-out text, through the engine itself (LLM 
 
 A method is a --quantization name, optionally with @HEAD for --lm-head-quantization (int8@none: int8 layers
 with the output head left in the model dtype; plain int8/int4 put the head in int8).
-KL: the mean over scored positions of KL(baseline || method), from the full distributions (the engine's
-head output is tapped; rows come in the same order in every run since greedy scheduling does not depend on
-values).
+KL: the mean over scored positions of KL(baseline || method), from the full distributions (the logits each
+engine step returns are tapped; rows come in the same order in every run since greedy scheduling does not
+depend on values).
 
 Held-out text: the stdlib files that the bundled model family never trained on (leverlab.train.corpus's
 "heldout" split), tokenized with the model's own tokenizer; windows of --window tokens, each scored from its
@@ -51,25 +51,29 @@ def heldout_ids(tokenizer, n_tokens: int) -> list[int]:
 
 
 class LogitTap:
-    """Wraps the model's compute_logits: keeps the baseline's log-probabilities (float16), or accumulates
-    KL(baseline || this run) row by row against them."""
+    """Wraps the runner's execute (whose logits come from the fused C++ step or from compute_logits): keeps the
+    baseline's log-probabilities of every row it returns (float16), or accumulates KL(baseline || this run) row
+    by row against them."""
 
-    def __init__(self, compute_logits, ref: list | None = None):
-        self.compute_logits, self.ref, self.rows, self.kl_sum, self.n = compute_logits, ref, [], 0.0, 0
+    def __init__(self, execute, ref: list | None = None):
+        self.execute, self.ref, self.rows, self.kl_sum, self.n = execute, ref, [], 0.0, 0
 
-    def __call__(self, hidden):
+    def __call__(self, batch):
         import torch
 
-        logits = self.compute_logits(hidden)
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        if self.ref is None:
-            self.rows.append(lp.half())
-        else:
-            ref = self.ref[len(self.rows)].float()
-            self.rows.append(None)
-            self.kl_sum += float((ref.exp() * (ref - lp)).sum())
-            self.n += lp.shape[0]
-        return logits
+        result = self.execute(batch)
+        parts = [result.logits] + [pl for _, _, pl in result.prompt_logits]
+        parts = [p for p in parts if p.numel()]
+        if parts:
+            lp = torch.log_softmax(torch.cat(parts).float(), dim=-1)
+            if self.ref is None:
+                self.rows.append(lp.half())
+            else:
+                ref = self.ref[len(self.rows)].float()
+                self.rows.append(None)
+                self.kl_sum += float((ref.exp() * (ref - lp)).sum())
+                self.n += lp.shape[0]
+        return result
 
 
 def score(model: str, dtype: str, windows: list[list[int]], chunk: int, quantization=None, kv_cache_dtype="auto",
@@ -81,8 +85,8 @@ def score(model: str, dtype: str, windows: list[list[int]], chunk: int, quantiza
               lm_head_quantization=head, enable_prefix_caching=False, max_num_seqs=8, max_num_batched_tokens=chunk,
               max_model_len=max(len(w) for w in windows) + 8)
     runner = llm.engine.runner
-    tap = LogitTap(runner.model.compute_logits, ref_rows)
-    runner.model.compute_logits = tap
+    tap = LogitTap(runner.execute, ref_rows)
+    runner.execute = tap
     outs = llm.generate(windows, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
     nll, top = [], []
     for o in outs:

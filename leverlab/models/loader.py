@@ -66,7 +66,6 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.de
     load_weights(model, path)
     finish_quantization(quantized)
     model.quant_method = method
-    model.head_quant_method = head
     return model.eval()
 
 
