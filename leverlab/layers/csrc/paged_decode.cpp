@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernel_util.h"
 #include "vec_math.h"
 
 #if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
@@ -242,18 +243,11 @@ void item_bf16(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, uint1
 // element the lane with the low half masked off (as skinny_linear.cpp does). So q is kept as floats split into
 // even and odd halves per chunk, the value accumulators are split the same way, and the output is put back in
 // order at the end. About 5x the generic loops on a Zen 3 (decode at 1,500 tokens of context).
-inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-
 template <int D>
 void item_bf16(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, uint16_t* op, const Layout& lay,
                const Item& it, Buffers& buf) {
   constexpr int C = D / 16;  // 16-element chunks of a row
   const int64_t G = lay.G, R = it.nq * G, L = it.ctx - it.first;
-  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   buf.qf.resize(R * D);  // per row and chunk: the 8 even elements, then the 8 odd ones
   buf.acc.assign(R * D, 0.f);  // the same order
   buf.probs.resize(R * L);
@@ -275,11 +269,7 @@ void item_bf16(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, uint1
     const uint16_t* k = kp + buf.offs[pos - it.first];
     __m256 ke[C], ko[C];
 #pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + 16 * c));
-      ke[c] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-      ko[c] = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
-    }
+    for (int c = 0; c < C; ++c) widen_bf16x16(k + 16 * c, ke[c], ko[c]);
     const auto [r0, r1] = seeing(it, pos, G, lay.window);
     for (int64_t r = r0; r < r1; ++r) {
       const float* qf = buf.qf.data() + r * D;
@@ -297,11 +287,7 @@ void item_bf16(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, uint1
     const uint16_t* v = vp + buf.offs[pos - it.first];
     __m256 ve[C], vo[C];
 #pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c));
-      ve[c] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-      vo[c] = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
-    }
+    for (int c = 0; c < C; ++c) widen_bf16x16(v + 16 * c, ve[c], vo[c]);
     const auto [r0, r1] = seeing(it, pos, G, lay.window);
     for (int64_t r = r0; r < r1; ++r) {
       const __m256 p = _mm256_set1_ps(buf.probs[r * L + pos - it.first]);

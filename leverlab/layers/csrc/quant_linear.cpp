@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernel_util.h"
 #include "stream_hint.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -43,19 +44,7 @@ E* scratch(std::vector<E>& v, size_t n) {
   return v.data();
 }
 
-const float* bias_f32(const c10::optional<at::Tensor>& bias, at::Tensor& holder) {
-  if (!bias.has_value() || !bias->defined()) return nullptr;
-  holder = bias->to(at::kFloat).contiguous();
-  return holder.data_ptr<float>();
-}
-
 #if LEVERLAB_QUANT_AVX2
-inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-
 inline int32_t hsum8_epi32(__m256i v) {
   const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   const __m128i t = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));

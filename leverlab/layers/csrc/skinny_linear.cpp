@@ -12,6 +12,7 @@
 // follows one stream per core best. At 7-8 rows the loop is compute-heavy enough that both did ~35.
 #include <torch/extension.h>
 
+#include "kernel_util.h"
 #include "stream_hint.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -92,11 +93,7 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   TORCH_CHECK(M >= 1 && M <= 8, "skinny_linear: 1..8 rows");
   auto y = torch::empty({M, N}, x.options());
   torch::Tensor b32;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    b32 = bias->to(at::kFloat).contiguous();
-    bp = b32.data_ptr<float>();
-  }
+  const float* bp = bias_f32(bias, b32);
   auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   auto yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
@@ -148,18 +145,11 @@ void widen_split(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, float* xs
   }
 }
 
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-
 // Output column n for M activation rows (M <= 4): U chunks of 16 in flight, even and odd halves in separate
 // accumulators, so M * U * 2 <= 8 independent FMA chains cover the FMA latency without spilling.
 template <int M, int U>
 inline void column(const float* xs, int64_t K16, const uint16_t* w, int64_t K, const float* bias, uint16_t* y,
                    int64_t ldy, int64_t n) {
-  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 ae[M][U], ao[M][U];
   for (int m = 0; m < M; ++m)
     for (int u = 0; u < U; ++u) ae[m][u] = ao[m][u] = _mm256_setzero_ps();
@@ -171,9 +161,8 @@ inline void column(const float* xs, int64_t K16, const uint16_t* w, int64_t K, c
     for (int u = 0; u < U; u += 2) prefetch_stream(wr + k + 16 * u + kStreamAhead / 2);
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) {
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k + 16 * u));
-      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
-      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(wv, hi));
+      __m256 we, wo;
+      widen_bf16x16(wr + k + 16 * u, we, wo);
 #pragma GCC unroll 4
       for (int m = 0; m < M; ++m) {
         const float* xm = xs + m * K16 + k + 16 * u;
@@ -189,9 +178,8 @@ inline void column(const float* xs, int64_t K16, const uint16_t* w, int64_t K, c
       std::memcpy(tmp, wr + k, (K - k) * 2);
       src = tmp;
     }
-    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-    const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
-    const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(wv, hi));
+    __m256 we, wo;
+    widen_bf16x16(src, we, wo);
     for (int m = 0; m < M; ++m) {
       const float* xm = xs + m * K16 + k;
       ae[m][0] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xm), ae[m][0]);
@@ -201,7 +189,7 @@ inline void column(const float* xs, int64_t K16, const uint16_t* w, int64_t K, c
   for (int m = 0; m < M; ++m) {
     __m256 s = _mm256_add_ps(ae[m][0], ao[m][0]);
     for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, _mm256_add_ps(ae[m][u], ao[m][u]));
-    y[m * ldy + n] = c10::BFloat16(hsum(s) + (bias ? bias[n] : 0.f)).x;
+    y[m * ldy + n] = c10::BFloat16(hsum8(s) + (bias ? bias[n] : 0.f)).x;
   }
 }
 
@@ -222,11 +210,7 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   TORCH_CHECK(M >= 1 && M <= skinny_max_rows(), "skinny_linear: 1..", skinny_max_rows(), " rows");
   auto y = torch::empty({M, N}, x.options());
   torch::Tensor b32;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    b32 = bias->to(at::kFloat).contiguous();
-    bp = b32.data_ptr<float>();
-  }
+  const float* bp = bias_f32(bias, b32);
   const int64_t K16 = (K + 15) / 16 * 16;
   // The widened activations: at most 8 x K floats, on the stack for the usual sizes.
   std::vector<float> xs_heap;
