@@ -1,6 +1,6 @@
 """Where a decode step's time goes, per phase, with and without the fused decode path (one run, same machine).
 
-One request (a 128-token prompt, then --decode-len greedy tokens) at a time through LLM.generate; every decode
+One request (a --prompt-len-token prompt, then --decode-len greedy tokens) at a time through LLM.generate; every decode
 step is cut into phases by timing the engine's own calls:
   schedule   Scheduler.schedule (admission, KV blocks)
   inputs     ModelRunner.execute minus the forward and the head: the step's tensors from the batch
@@ -88,6 +88,7 @@ def main() -> int:
     ap.add_argument("--model", default="")
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=128, help="context before decoding (the study's medium bucket: 512)")
     ap.add_argument("--decode-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--execution-mode", default="eager", choices=("eager", "compiled"))
@@ -102,7 +103,7 @@ def main() -> int:
         return llm, instrument(llm)
 
     paths = {"fused": build(True), "modules": build(False)}
-    prompt = list(range(5, 133))
+    prompt = [5 + i % 4000 for i in range(args.prompt_len)]
     params = SamplingParams(temperature=0, max_tokens=args.decode_len, ignore_eos=True)
     best: dict[str, dict[str, float]] = {}
     for r in range(args.rounds + 1):  # round 0 warms up and is not counted
@@ -113,7 +114,7 @@ def main() -> int:
             per_step = {k: acc[k] / acc["steps"] * 1e3 for k in PHASES}
             if r > 0 and (name not in best or per_step["total"] < best[name]["total"]):
                 best[name] = per_step
-    print(f"decode step, ms (best of {args.rounds}; {args.threads} thread(s); "
+    print(f"decode step, ms (best of {args.rounds}; {args.prompt_len}-token prompt; {args.threads} thread(s); "
           f"{args.quantization or 'bf16'}; {args.execution_mode})")
     print("| path | " + " | ".join(PHASES) + " | tok/s |")
     print("|---|" + "---|" * (len(PHASES) + 1))

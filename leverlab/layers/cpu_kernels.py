@@ -6,7 +6,9 @@ reason is logged once. LEVERLAB_NO_CPP_KERNELS=1 forces the fallback.
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import threading
 import time
 from functools import cache
 from pathlib import Path
@@ -27,16 +29,32 @@ def kernels():
 
         build = env.cache_dir() / "cpp_kernels"
         build.mkdir(parents=True, exist_ok=True)
-        lock = build / "lock"
-        if lock.exists() and time.time() - lock.stat().st_mtime > 600:
-            # A build killed midway leaves its lock behind, and every later load would wait on it forever.
-            log.warning("removing a stale build lock %s", lock)
-            lock.unlink(missing_ok=True)
         sources = [str(SRC / name) for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp", "quant_linear.cpp",
                                                    "fused_decoder.cpp")]
-        module = load(name="leverlab_cpu_kernels", sources=sources, build_directory=str(build),
-                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                      verbose=False)
+        # torch's own build lock is a plain file: a build killed midway (Ctrl-C during the first start) leaves
+        # it behind and every later start waits on it forever, silently. An flock dies with its holder, so
+        # whoever holds ours knows that any torch lock still present is stale.
+        with open(build / "leverlab.flock", "w") as held:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("waiting for another process to finish building the CPU kernels in %s", build)
+                fcntl.flock(held, fcntl.LOCK_EX)
+            (build / "lock").unlink(missing_ok=True)
+            t0 = time.monotonic()
+            # A cached build loads in well under a second; only a compile takes longer, so say so then.
+            notice = threading.Timer(5.0, log.info, ("compiling the CPU kernels (first start, or the sources "
+                                                     "changed): 1-3 minutes, cached in %s", build))
+            notice.daemon = True
+            notice.start()
+            try:
+                module = load(name="leverlab_cpu_kernels", sources=sources, build_directory=str(build),
+                              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                              verbose=False)
+            finally:
+                notice.cancel()
+            if time.monotonic() - t0 > 5.0:
+                log.info("CPU kernels built in %.0f s", time.monotonic() - t0)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path
         log.warning("CPU kernels unavailable (%s); using the PyTorch path", e)
         return None
