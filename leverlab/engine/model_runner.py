@@ -78,7 +78,8 @@ class ModelRunner:
         self.forward = self.model.forward
         # Short steps (decode, verification, small chunks) on the CPU: the whole forward in one C++ call when the
         # model allows it (models/fused.py); None keeps every step on self.forward.
-        self.fused = fused.fused_decoder(self.model, self.kv_caches, config.kv_cache_dtype, self.tp.size)
+        self.fused = fused.fused_decoder(self.model, self.kv_caches, config.kv_cache_dtype, self.tp.size,
+                                         self.kv_scales)
         self.fused_steps = 0  # steps that took it
         if config.execution_mode == "compiled":
             from leverlab.engine.compiled import compile_forward

@@ -103,13 +103,19 @@ def attention_impl(
 ) -> torch.Tensor:  # [T, H, D]
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k.shape[1], k_cache.shape[1]
-    if k_scale is None and q.device.type == "cpu" and (kern := cpu_kernels.kernels()) is not None:
+    int8_cache = k_scale is not None and k_cache.dtype == torch.int8
+    if (k_scale is None or int8_cache) and q.device.type == "cpu" and (kern := cpu_kernels.kernels()) is not None:
         if max_query_len is None:
             max_query_len = max_query_len_of(query_start_loc)
-        if max_query_len <= KERNEL_MAX_SPAN:
+        if max_query_len <= KERNEL_MAX_SPAN or kern.has_tiled_attention():
             # Decode and speculative verification (a few queries per sequence): our kernel writes the new K/V
             # and reads each sequence's K/V once per KV head, in place through the block table, with no
-            # gather copies and no per-sequence call.
+            # gather copies and no per-sequence call. An int8 cache is quantized and dequantized inside it.
+            # Where it has AVX2 it takes prefill chunks too, in register tiles that skip the causal upper
+            # triangle (SDPA's CPU kernel ran at ~7 GFLOP/s on the bundled model's heads, most of a long prefill).
+            if int8_cache:
+                return kern.paged_decode(q, k.to(q.dtype), v.to(q.dtype), k_cache, v_cache, slot_mapping,
+                                         block_tables, seq_lens, query_start_loc, scale, window, k_scale, v_scale)
             return kern.paged_decode(q, k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, slot_mapping,
                                      block_tables, seq_lens, query_start_loc, scale, window)
     # ---- KV-cache dtype hook (issue 6): quantized caches are written and gathered by quant/kv_cache.py.

@@ -6,8 +6,8 @@ weight reads for the bundled 15M model. `FusedDecoder` (layers/csrc/fused_decode
 one native loop, as llama.cpp does, over the model's own tensors (no copy of any weight).
 
 It serves steps whose sequences each have at most MAX_SPAN new tokens, on the CPU, at one tensor-parallel rank
-with a float KV cache; with EAGLE it also returns the feature layers' outputs, as the module forward does.
-Everything else (prefill chunks, quantization methods it does not know, tensor parallelism, a quantized KV cache)
+with a float or int8 KV cache; with EAGLE it also returns the feature layers' outputs, as the module forward does.
+Everything else (prefill chunks, quantization methods it does not know, tensor parallelism, an fp8 KV cache)
 keeps the module path; `fused_decoder()` says why not.
 Numerics follow the module path op for op (the fused tests compare the two in float32, token for token).
 """
@@ -46,22 +46,26 @@ class _NotFused(Exception):
     pass
 
 
-def fused_decoder(model: CausalLM, kv_caches: list[torch.Tensor], kv_cache_dtype: str, tp_size: int):
-    """A FusedForward over `model` and its KV caches, or None (the reason is logged)."""
+def fused_decoder(model: CausalLM, kv_caches: list[torch.Tensor], kv_cache_dtype: str, tp_size: int,
+                  kv_scales: list[torch.Tensor] | None = None):
+    """A FusedForward over `model` and its KV caches (int8 ones with their scales), or None (the reason is
+    logged)."""
     try:
-        return _build(model, kv_caches, kv_cache_dtype, tp_size)
+        return _build(model, kv_caches, kv_cache_dtype, tp_size, kv_scales)
     except _NotFused as e:
         log.info("fused decode path off: %s", e)
         return None
 
 
-def _build(model: CausalLM, kv_caches, kv_cache_dtype: str, tp_size: int):
+def _build(model: CausalLM, kv_caches, kv_cache_dtype: str, tp_size: int, kv_scales):
     if env.flag("LEVERLAB_NO_FUSED_DECODE"):
         raise _NotFused("LEVERLAB_NO_FUSED_DECODE=1")
     if model.lm_head.weight.device.type != "cpu":
         raise _NotFused("not on the CPU")
-    if tp_size > 1 or kv_cache_dtype != "auto":
-        raise _NotFused("tensor parallelism or a quantized KV cache")
+    if tp_size > 1:
+        raise _NotFused("tensor parallelism")
+    if kv_cache_dtype not in ("auto", "int8"):  # fp8 has no AVX2 decode: its rows are dequantized by gathering
+        raise _NotFused(f"a {kv_cache_dtype} KV cache")
     kern = cpu_kernels.kernels()
     if kern is None:
         raise _NotFused("the C++ kernels are not built here")
@@ -89,6 +93,8 @@ def _build(model: CausalLM, kv_caches, kv_cache_dtype: str, tp_size: int):
                             layers, kinds, windows, list(kv_caches), cfg.num_heads, cfg.num_kv_heads,
                             cfg.head_dim, float(norm.eps), float(model.model.layers[0].self_attn.scale),
                             list(model.aux_layers))
+    if kv_cache_dtype == "int8":
+        dec.set_kv_scales(list(kv_scales))
     head_rows = _set_head(dec, model, dtype)
     # Quantized linears stream up to STREAMING_MAX_ROWS rows; past that the module path's batched kernels (fbgemm).
     return FusedForward(dec, max_tokens=STREAMING_MAX_ROWS if any(kinds) else None, head_rows=head_rows)

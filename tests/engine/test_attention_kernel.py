@@ -68,3 +68,31 @@ def test_kernel_writes_the_new_kv_into_its_slots():
     attention_impl(q, k, v, kc, vc, slots, torch.tensor([[1], [5]]), torch.tensor([2, 3]), torch.arange(3), 0.1)
     assert torch.equal(kc.view(-1, kvh, d)[slots], k) and torch.equal(vc.view(-1, kvh, d)[slots], v)
     assert int((kc != 0).any(-1).any(-1).sum()) == 2  # nothing else written
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])  # 32: a head size the 64-wide value accumulators do not divide
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [0, 37])
+def test_tiled_long_spans_match_pytorch_path(monkeypatch, dtype, tol, window, d):
+    """Prefill chunks in the kernel's register tiles: a prompt from scratch, a chunk after cached context and
+    a decode in one batch, against SDPA over gathered K/V (in float32, which rounds less than bf16 SDPA)."""
+    if cpu_kernels.kernels() is None or not cpu_kernels.kernels().has_tiled_attention():
+        pytest.skip("no tiled attention in this build: prefill chunks take SDPA")
+    g = torch.Generator().manual_seed(4)
+    nb, bs, kvh, h = 64, 16, 2, 6
+    lens = torch.tensor([70, 150, 33, 9])
+    spans = [70, 61, 1, 9]  # from scratch; 89 cached + 61 new; a decode; a short prompt
+    b, t = len(lens), sum(spans)
+    kc, vc = (torch.randn(nb, bs, kvh, d, generator=g).to(dtype) for _ in range(2))
+    tables = torch.stack([torch.randperm(nb, generator=g)[:10] for _ in range(b)])
+    q = torch.randn(t, h, d, generator=g).to(dtype)
+    k, v = (torch.randn(t, kvh, d, generator=g).to(dtype) for _ in range(2))
+    slots = torch.tensor([int(tables[i, p // bs]) * bs + p % bs
+                          for i in range(b) for p in range(int(lens[i]) - spans[i], int(lens[i]))])
+    qsl = torch.tensor([0, *torch.tensor(spans).cumsum(0).tolist()])
+    args = (slots, tables, lens, qsl, d**-0.5)
+    kc2, vc2 = kc.clone(), vc.clone()
+    ours = attention_impl(q, k, v, kc, vc, *args, window=window)
+    monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+    ref = attention_impl(q.float(), k.float(), v.float(), kc2.float(), vc2.float(), *args, window=window)
+    assert torch.allclose(ours.float(), ref, atol=tol, rtol=0), (ours.float() - ref).abs().max()

@@ -70,17 +70,17 @@ def test_fused_forward_returns_eagle_aux_layers(checkpoint_factory):
     torch.testing.assert_close(aux_g, aux_e, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ("qwen3", "qwen2"))
-def test_engine_tokens_identical_with_and_without_fused_path(checkpoint_factory, monkeypatch, arch):
+@pytest.mark.parametrize("arch,kv", [("qwen3", "auto"), ("qwen2", "auto"), ("qwen3", "int8")])
+def test_engine_tokens_identical_with_and_without_fused_path(checkpoint_factory, monkeypatch, arch, kv):
     path = checkpoint_factory(arch)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    llm = LLM(path, dtype="float32")
+    llm = LLM(path, dtype="float32", kv_cache_dtype=kv)
     assert llm.engine.runner.fused is not None
     outs = llm.generate(PROMPTS, params)
     assert llm.engine.runner.fused_steps > 0
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
     monkeypatch.setenv("LEVERLAB_NO_FUSED_DECODE", "1")
-    plain = LLM(path, dtype="float32")
+    plain = LLM(path, dtype="float32", kv_cache_dtype=kv)
     assert plain.engine.runner.fused is None
     ref = plain.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
@@ -88,7 +88,7 @@ def test_engine_tokens_identical_with_and_without_fused_path(checkpoint_factory,
 
 def test_fused_path_declines_what_it_does_not_run(checkpoint_factory):
     path = checkpoint_factory("qwen3")
-    assert LLM(path, dtype="float32", kv_cache_dtype="int8").engine.runner.fused is None  # quantized KV cache
+    assert LLM(path, dtype="float32", kv_cache_dtype="fp8").engine.runner.fused is None  # no AVX2 fp8 decode
     assert LLM(path, dtype="float32", quantization="fp8").engine.runner.fused is None  # no fused fp8 kernel
 
 

@@ -79,3 +79,40 @@ def test_engine_with_quantized_kv_cache_tracks_the_float_cache(checkpoint_factor
         same = sum(a == c for a, c in zip(o.outputs[0].token_ids, b.outputs[0].token_ids))
         assert same >= 8  # first tokens agree; greedy paths may part later
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])  # 32: the generic loops; 64 and 128: the AVX2 int8 path
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [0, 3])
+def test_cpp_kernel_over_int8_cache_matches_the_gather_path(monkeypatch, d, dtype, tol, window):
+    """The C++ kernel quantizes the new K/V exactly as kv_cache.write does (same bytes, same scales) and its
+    attention, dequantizing in registers, agrees with gathering and dequantizing; decode and verification
+    spans mixed, GQA."""
+    from leverlab.layers import cpu_kernels
+
+    if cpu_kernels.kernels() is None:
+        pytest.skip("no C++ compiler here: the engine uses the PyTorch path")
+    g = torch.Generator().manual_seed(3)
+    nb, bs, kvh, h = 40, 4, 2, 6
+    lens = torch.tensor([1, 9, 13, 5, 16, 4])
+    spans = [1, 4, 5, 1, 1, 2]
+    b, t = len(lens), sum(spans)
+    caches, scales = kvq.allocate("int8", dtype, 1, nb, bs, kvh, d, "cpu")
+    (kc, vc), (ks, vs) = caches[0], scales[0]
+    for c, s in ((kc, ks), (vc, vs)):  # a filled context to attend over
+        kvq.write(c, s, torch.randn(nb * bs, kvh, d, generator=g), torch.arange(nb * bs))
+    tables = torch.stack([torch.randperm(nb, generator=g)[:4] for _ in range(b)])
+    q = torch.randn(t, h, d, generator=g).to(dtype)
+    k, v = (torch.randn(t, kvh, d, generator=g).to(dtype) for _ in range(2))
+    slots = torch.tensor([int(tables[i, p // bs]) * bs + p % bs
+                          for i in range(b) for p in range(int(lens[i]) - spans[i], int(lens[i]))])
+    qsl = torch.tensor([0, *torch.tensor(spans).cumsum(0).tolist()])
+    args = (slots, tables, lens, qsl, 0.3)
+    state = [x.clone() for x in (kc, vc, ks, vs)]
+    ours = attention_impl(q, k, v, kc, vc, *args, k_scale=ks, v_scale=vs, window=window)
+    monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+    rk, rv, rks, rvs = state
+    # The reference in float32 (the same bf16 inputs, widened): the gather path's bf16 matmuls round more than ours.
+    ref = attention_impl(q.float(), k.float(), v.float(), rk, rv, *args, k_scale=rks, v_scale=rvs, window=window)
+    assert torch.equal(kc, rk) and torch.equal(vc, rv) and torch.equal(ks, rks) and torch.equal(vs, rvs)
+    assert torch.allclose(ours.float(), ref.float(), atol=tol, rtol=0), (ours.float() - ref.float()).abs().max()

@@ -4,7 +4,9 @@
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                         at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                        int64_t window);
+                        int64_t window, const c10::optional<at::Tensor>& k_scale,
+                        const c10::optional<at::Tensor>& v_scale);
+bool has_tiled_attention();
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 bool has_skinny_linear();
 int64_t skinny_max_rows();
@@ -16,7 +18,15 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 void bind_fused_decoder(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "write the new K/V, then attention of short query spans (decode, verification) over the paged KV cache");
+  m.def("paged_decode", &paged_decode, pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"),
+        pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slot_mapping"),
+        pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("query_start_loc"),
+        pybind11::arg("scale"), pybind11::arg("window"), pybind11::arg("k_scale") = pybind11::none(),
+        pybind11::arg("v_scale") = pybind11::none(),
+        "write the new K/V, then attention of short query spans (decode, verification) over the paged KV cache "
+        "(bf16/fp16/fp32, or int8 with k_scale/v_scale [num_blocks, block_size, KVH] float32)");
+  m.def("has_tiled_attention", &has_tiled_attention,
+        "whether paged_decode takes long spans (prefill chunks) in register tiles (AVX2); else short spans only");
   m.def("skinny_linear", &skinny_linear, "y = x W^T (+ b) in bfloat16 for 1..8 rows (AVX-512 BF16 or AVX2)");
   m.def("has_skinny_linear", &has_skinny_linear, "whether this build has the streaming bf16 linear (AVX-512 BF16 or AVX2)");
   m.def("skinny_max_rows", &skinny_max_rows, "the most activation rows the streaming bf16 linear takes (0: none)");

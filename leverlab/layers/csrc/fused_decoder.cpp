@@ -24,7 +24,8 @@
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                         at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                        int64_t window);
+                        int64_t window, const c10::optional<at::Tensor>& k_scale,
+                        const c10::optional<at::Tensor>& v_scale);
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
 
 namespace {
@@ -127,6 +128,14 @@ class FusedDecoder {
   }
 
   // The output head for step(): kind as for the layers (0: float weight [V, H], the tied embedding included).
+  void set_kv_scales(std::vector<at::Tensor> scales) {
+    TORCH_CHECK(scales.size() == kv_caches_.size(), "set_kv_scales: one tensor per layer");
+    for (size_t i = 0; i < scales.size(); ++i)
+      TORCH_CHECK(kv_caches_[i].scalar_type() == at::kChar && scales[i].scalar_type() == at::kFloat &&
+                      scales[i].is_contiguous(), "set_kv_scales: int8 caches, contiguous float32 scales");
+    kv_scales_ = std::move(scales);
+  }
+
   void set_head(int64_t kind, at::Tensor w, c10::optional<at::Tensor> scale) {
     head_.kind = kind;
     head_.w = w;
@@ -216,8 +225,14 @@ class FusedDecoder {
       at::Tensor q = qkv.narrow(1, 0, QW).view({T_, nh_, D});
       at::Tensor k = qkv.narrow(1, QW, KW).view({T_, nkv_, D});
       at::Tensor v = qkv.narrow(1, QW + KW, KW).view({T_, nkv_, D});
-      const at::Tensor& cache = kv_caches_[&l - layers_.data()];
-      at::Tensor o = paged_decode(q, k, v, cache[0], cache[1], slots, tables, lens, qsl, scale_, l.window);
+      const int64_t li_ = &l - layers_.data();
+      const at::Tensor& cache = kv_caches_[li_];
+      c10::optional<at::Tensor> ks, vs;  // an int8 cache's scales (set_kv_scales)
+      if (!kv_scales_.empty()) {
+        ks = kv_scales_[li_][0];
+        vs = kv_scales_[li_][1];
+      }
+      at::Tensor o = paged_decode(q, k, v, cache[0], cache[1], slots, tables, lens, qsl, scale_, l.window, ks, vs);
       at::Tensor attn = apply(l.o, o.view({T_, QW}));
       add_into<T>(x, attn);
       // ---- MLP block
@@ -252,6 +267,7 @@ class FusedDecoder {
   at::Tensor embed_, final_norm_, cos_, sin_;
   Lin head_;  // set_head(); step() applies it
   std::vector<at::Tensor> kv_caches_;  // per layer [2, num_blocks, block_size, NKV, D]
+  std::vector<at::Tensor> kv_scales_;  // int8 caches: per layer [2, num_blocks, block_size, NKV] float32; else empty
   std::vector<int64_t> aux_layers_;  // layer indices whose outputs forward() also returns (EAGLE)
   std::vector<Layer> layers_;
   int64_t nh_, nkv_, d_;
@@ -267,6 +283,8 @@ void bind_fused_decoder(pybind11::module& m) {
       // The GIL is released for the forward: the server's event loop (another thread) writes the previous
       // step's tokens to their streams while this step computes, instead of waiting for it.
       .def("set_head", &FusedDecoder::set_head, "kind, weight, scale or None: the output head for step()")
+      .def("set_kv_scales", &FusedDecoder::set_kv_scales, "per layer [2, num_blocks, block_size, NKV] float32: "
+           "the caches are int8 (--kv-cache-dtype int8)")
       .def("step", &FusedDecoder::step, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "ids, positions, slots, block tables, seq_lens, query_start_loc, rows (lists) -> (hidden, aux or None, "
            "float32 logits of rows, their argmax)")

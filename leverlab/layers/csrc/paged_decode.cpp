@@ -12,8 +12,15 @@
 // (context length including the new tokens); query_start_loc [B + 1] int64 (sequence b's queries are rows
 // qsl[b] .. qsl[b + 1]) -> out [T, H, D]. Query j of a span of n sits at position ctx - n + j and sees
 // positions up to its own (causal); window > 0: only the last `window` positions up to its own.
+//
+// An int8 KV cache (--kv-cache-dtype int8, quant/kv_cache.py): the caches are int8 with float32 scales
+// k_scale, v_scale [num_blocks, block_size, KVH], one per (slot, KV head). The new tokens are quantized here
+// exactly as kv_cache.quantize does (so prefill's Python writes and decode's writes agree bit for bit), and
+// the passes dequantize each row in registers: half the bytes of a bf16 cache read, no gather copy.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -49,6 +56,12 @@ inline const float* as_float<c10::BFloat16>(const c10::BFloat16* src, float* buf
   return buf;
 }
 
+// A cache row into `dst` as float32, whatever its dtype.
+template <typename T>
+inline void as_float_into(const T* src, float* dst, int64_t n) {
+  const float* f = as_float(src, dst, n);
+  if (f != dst) std::memcpy(dst, f, n * sizeof(float));
+}
 
 // One head's K (or V) rows sit KVH * D elements apart, too far for the hardware prefetcher to follow: fetched
 // on demand, each position waited a memory latency (measured: 95 ns per position, 1.8 ms per layer for 16
@@ -74,6 +87,36 @@ void write_new_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
     TORCH_CHECK(sp[t] >= 0 && sp[t] < slots, "slot ", sp[t], " is outside the KV cache");
     std::memcpy(kc + sp[t] * row, kp + t * row, row * sizeof(T));
     std::memcpy(vc + sp[t] * row, vp + t * row, row * sizeof(T));
+  }
+}
+
+// The new tokens' K/V into an int8 cache, per (token, KV head): scale = max|x| / 127 (at least 1e-8), each
+// element round-half-even(x / scale) clamped to +-127, in float32: kv_cache.quantize's arithmetic, op for op.
+template <typename T>
+void write_new_kv_q8(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                     float* k_scale, float* v_scale, const at::Tensor& slot_mapping) {
+  const int64_t T_ = k.size(0), KVH = k.size(1), D = k.size(2);
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = slot_mapping.data_ptr<int64_t>();
+  auto one = [&](const T* x, int8_t* dst, float* sc) {
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(x[d])));
+    const float s = std::max(amax / 127.0f, 1e-8f);
+    for (int64_t d = 0; d < D; ++d)
+      dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(static_cast<float>(x[d]) / s))));
+    *sc = s;
+  };
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  int8_t* kc = static_cast<int8_t*>(k_cache.data_ptr());
+  int8_t* vc = static_cast<int8_t*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < T_; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < slots, "slot ", sp[t], " is outside the KV cache");
+    for (int64_t h = 0; h < KVH; ++h) {
+      const int64_t src = (t * KVH + h) * D, row = sp[t] * KVH + h;
+      one(kp + src, kc + row * D, k_scale + row);
+      one(vp + src, vc + row * D, v_scale + row);
+    }
   }
 }
 
@@ -133,9 +176,23 @@ inline void row_offsets(const Layout& lay, const Item& it, Buffers& buf) {
   }
 }
 
-// Any dtype and head size, in loops the compiler vectorizes.
-template <typename T>
-void item_generic(const T* qp, const T* kp, const T* vp, T* op, const Layout& lay, const Item& it, Buffers& buf) {
+// A cache row as float32, dequantized with its scale when the cache is int8.
+template <typename C>
+inline const float* row_as_float(const C* src, const float* scales, int64_t off, int64_t D, float* buf) {
+  if constexpr (std::is_same_v<C, int8_t>) {
+    const float s = scales[off / D];  // one scale per (slot, head): the row's element offset / D
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) buf[i] = static_cast<float>(src[off + i]) * s;
+    return buf;
+  } else {
+    return as_float(src + off, buf, D);
+  }
+}
+
+// Any dtype and head size, in loops the compiler vectorizes. T: q and out; C: the cache (T, or int8 with scales).
+template <typename T, typename C>
+void item_generic(const T* qp, const C* kp, const C* vp, const float* ksc, const float* vsc, T* op,
+                  const Layout& lay, const Item& it, Buffers& buf) {
   const int64_t D = lay.D, G = lay.G, R = it.nq * G, L = it.ctx - it.first;
   buf.qf.resize(R * D);
   buf.acc.assign(R * D, 0.f);
@@ -149,10 +206,10 @@ void item_generic(const T* qp, const T* kp, const T* vp, T* op, const Layout& la
   // Pass 1: scores.
   for (int64_t pos = it.first; pos < it.ctx; ++pos) {
     if (pos + kAhead < it.ctx) {  // this head's rows are 2 KB or more apart: prefetch, for pass 3's V too
-      prefetch_row(kp + buf.offs[pos + kAhead - it.first], D * sizeof(T));
-      prefetch_row(vp + buf.offs[pos + kAhead - it.first], D * sizeof(T));
+      prefetch_row(kp + buf.offs[pos + kAhead - it.first], D * sizeof(C));
+      prefetch_row(vp + buf.offs[pos + kAhead - it.first], D * sizeof(C));
     }
-    const float* kf = as_float(kp + buf.offs[pos - it.first], buf.row.data(), D);
+    const float* kf = row_as_float(kp, ksc, buf.offs[pos - it.first], D, buf.row.data());
     const auto [r0, r1] = seeing(it, pos, G, lay.window);
     for (int64_t r = r0; r < r1; ++r) {
       const float* qr = buf.qf.data() + r * D;
@@ -166,7 +223,7 @@ void item_generic(const T* qp, const T* kp, const T* vp, T* op, const Layout& la
   softmax_rows(buf.probs.data(), buf.inv.data(), it, R, G, L, lay.window);
   // Pass 3: the probability-weighted sum of values.
   for (int64_t pos = it.first; pos < it.ctx; ++pos) {
-    const float* vf = as_float(vp + buf.offs[pos - it.first], buf.row.data(), D);
+    const float* vf = row_as_float(vp, vsc, buf.offs[pos - it.first], D, buf.row.data());
     const auto [r0, r1] = seeing(it, pos, G, lay.window);
     for (int64_t r = r0; r < r1; ++r) {
       const float w = buf.probs[r * L + pos - it.first];
@@ -311,35 +368,279 @@ void item_bf16(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, uint1
 }
 #endif
 
-template <typename T>
-void spans_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                const at::Tensor& block_tables, const at::Tensor& seq_lens, const int64_t* qsl, double scale,
-                int64_t window, at::Tensor& out) {
+#if defined(__AVX2__) && defined(__FMA__)
+#define LEVERLAB_ATTN_Q8 1
+// An int8 cache with a head size of D (a multiple of 8), any activation dtype, in AVX2 (also on AVX-512
+// machines). 8 int8 elements widen to float32 in two instructions (sign-extend, convert) and take the row's
+// scale in a third, so a row is dequantized in registers once and applied to every query row that sees it:
+// the same association as the gather path (q . (k * s), p * (v * s)). Everything stays in natural order.
+template <int D, typename T>
+void item_q8(const T* qp, const int8_t* kp, const int8_t* vp, const float* ksc, const float* vsc, T* op,
+             const Layout& lay, const Item& it, Buffers& buf) {
+  constexpr int C = D / 8;  // 8-element chunks of a row
+  const int64_t G = lay.G, R = it.nq * G, L = it.ctx - it.first;
+  buf.qf.resize(R * D);
+  buf.acc.assign(R * D, 0.f);
+  buf.probs.resize(R * L);
+  buf.inv.resize(R);
+  for (int64_t r = 0; r < R; ++r) {
+    const T* q = qp + ((it.row0 + r / G) * lay.H + it.h * G + r % G) * D;
+    for (int d = 0; d < D; ++d) buf.qf[r * D + d] = static_cast<float>(q[d]) * lay.scale;
+  }
+  auto widen = [](const int8_t* p, float s, __m256* out) {
+    const __m256 sv = _mm256_set1_ps(s);
+#pragma GCC unroll 32
+    for (int c = 0; c < C; ++c)
+      out[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * c)))), sv);
+  };
+  for (int64_t pos = it.first; pos < it.ctx; ++pos) {
+    if (pos + kAhead < it.ctx) {
+      prefetch_row(kp + buf.offs[pos + kAhead - it.first], D);
+      prefetch_row(vp + buf.offs[pos + kAhead - it.first], D);
+    }
+    const int64_t off = buf.offs[pos - it.first];
+    __m256 kf[C];
+    widen(kp + off, ksc[off / D], kf);
+    const auto [r0, r1] = seeing(it, pos, G, lay.window);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* qf = buf.qf.data() + r * D;
+      __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+#pragma GCC unroll 32
+      for (int c = 0; c + 1 < C; c += 2) {
+        s0 = _mm256_fmadd_ps(kf[c], _mm256_loadu_ps(qf + 8 * c), s0);
+        s1 = _mm256_fmadd_ps(kf[c + 1], _mm256_loadu_ps(qf + 8 * c + 8), s1);
+      }
+      if constexpr (C % 2) s0 = _mm256_fmadd_ps(kf[C - 1], _mm256_loadu_ps(qf + 8 * (C - 1)), s0);
+      buf.probs[r * L + pos - it.first] = hsum8(_mm256_add_ps(s0, s1));
+    }
+  }
+  softmax_rows(buf.probs.data(), buf.inv.data(), it, R, G, L, lay.window);
+  for (int64_t pos = it.first; pos < it.ctx; ++pos) {
+    const int64_t off = buf.offs[pos - it.first];
+    __m256 vf[C];
+    widen(vp + off, vsc[off / D], vf);
+    const auto [r0, r1] = seeing(it, pos, G, lay.window);
+    for (int64_t r = r0; r < r1; ++r) {
+      const __m256 p = _mm256_set1_ps(buf.probs[r * L + pos - it.first]);
+      float* a = buf.acc.data() + r * D;
+#pragma GCC unroll 32
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(a + 8 * c, _mm256_fmadd_ps(p, vf[c], _mm256_loadu_ps(a + 8 * c)));
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    T* orow = op + ((it.row0 + r / G) * lay.H + it.h * G + r % G) * D;
+    for (int d = 0; d < D; ++d) orow[d] = static_cast<T>(buf.acc[r * D + d] * buf.inv[r]);
+  }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define LEVERLAB_ATTN_TILED 1
+// Long spans (prefill chunks), AVX2: the decode loops above take one position at a time and finish every q.k
+// with a horizontal sum, which suits a few query rows; a 512-token chunk has 1,536 rows per KV head (GQA 3)
+// and wants register tiles instead. Per item, the context's K rows are widened to float32 once, transposed in
+// tiles of 8 positions ([D][8]), and its V rows widened once; then per tile of kQT queries:
+//   scores: 4 query rows x 16 positions per micro-tile, D broadcast-FMAs, no horizontal sums; only the keys the
+//           tile's last query sees (causal: the upper triangle past the tile is skipped)
+//   softmax: per row over its own visible range (the diagonal tile is masked here)
+//   values:  in blocks of positions that stay in L1, per row D/8 accumulators in registers
+// Float32 throughout, the same exp as the decode path.
+constexpr int64_t kQT = 16;  // queries per tile: with GQA 3, 48 score rows of up to a few thousand positions
+constexpr int64_t kMinTiledSpan = 32;  // shorter spans keep the per-position loops
+
+struct TiledBuffers {
+  std::vector<float> kt, vf, qf, scores, acc, inv;
+  std::vector<int64_t> lim;  // per score row: its first and one-past-last visible position
+};
+
+// Scores of one row for `tiles` tiles of 8 positions from c (the remainder of the 4-row micro-tiles).
+inline void score_row_8(TiledBuffers& tb, int64_t D, int64_t W, int64_t lo8, int64_t r, int64_t c, int tiles) {
+  const float* q0 = tb.qf.data() + r * D;
+  for (int t = 0; t < tiles; ++t) {
+    const float* kt = tb.kt.data() + (c / 8 + t) * D * 8;
+    __m256 s0 = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) s0 = _mm256_fmadd_ps(_mm256_broadcast_ss(q0 + d), _mm256_loadu_ps(kt + d * 8), s0);
+    _mm256_storeu_ps(tb.scores.data() + r * W + (c + 8 * t - lo8), s0);
+  }
+}
+
+// Row `off` of a cache as float32 (int8 rows dequantized with their scale).
+template <typename C>
+inline void widen_row(const C* base, const float* scales, int64_t off, int64_t D, float* dst) {
+  if constexpr (std::is_same_v<C, int8_t>) {
+    const float s = scales[off / D];
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(base[off + d]) * s;
+  } else {
+    as_float_into(base + off, dst, D);
+  }
+}
+
+template <typename T, typename C>
+void item_tiled(const T* qp, const C* kp, const C* vp, const float* ksc, const float* vsc, T* op,
+                const Layout& lay, const Item& it, Buffers& buf, TiledBuffers& tb) {
+  const int64_t D = lay.D, G = lay.G, L = it.ctx - it.first, L8 = (L + 7) / 8 * 8;
+  tb.kt.assign(L8 * D, 0.f);  // [L8 / 8][D][8]: zero past L, so a partial last tile adds nothing
+  tb.vf.resize(L * D);
+  std::vector<float> row(D);
+  for (int64_t i = 0; i < L; ++i) {
+    widen_row(kp, ksc, buf.offs[i], D, row.data());
+    float* t = tb.kt.data() + (i / 8) * D * 8 + i % 8;
+    for (int64_t d = 0; d < D; ++d) t[d * 8] = row[d];
+    widen_row(vp, vsc, buf.offs[i], D, tb.vf.data() + i * D);
+  }
+  for (int64_t j0 = 0; j0 < it.nq; j0 += kQT) {
+    const int64_t j1 = std::min(it.nq, j0 + kQT), R = (j1 - j0) * G;
+    // Positions (relative to it.first) the tile's queries see: [lo, hi)
+    const int64_t hi = it.pos0 + j1 - it.first;
+    const int64_t lo = lay.window > 0 ? std::max<int64_t>(0, it.pos0 + j0 + 1 - lay.window - it.first) : 0;
+    const int64_t lo8 = lo / 8 * 8, W = (hi + 7) / 8 * 8 - lo8;  // score columns, in whole key tiles
+    tb.qf.resize(R * D);
+    tb.scores.resize(R * W);
+    for (int64_t r = 0; r < R; ++r) {
+      const T* q = qp + ((it.row0 + j0 + r / G) * lay.H + it.h * G + r % G) * D;
+      for (int64_t d = 0; d < D; ++d) tb.qf[r * D + d] = static_cast<float>(q[d]) * lay.scale;
+    }
+    int64_t c = lo8;
+    for (; c + 16 <= lo8 + W; c += 16) {  // 4 rows x 16 positions: 2 loads and 4 broadcasts per 8 FMAs
+      const float* ka = tb.kt.data() + (c / 8) * D * 8;
+      const float* kb = ka + D * 8;
+      int64_t r = 0;
+      for (; r + 4 <= R; r += 4) {
+        const float* q0 = tb.qf.data() + r * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (int64_t d = 0; d < D; ++d) {
+          const __m256 x = _mm256_loadu_ps(ka + d * 8), y = _mm256_loadu_ps(kb + d * 8);
+          __m256 qv = _mm256_broadcast_ss(q0 + d);
+          a0 = _mm256_fmadd_ps(qv, x, a0);
+          b0 = _mm256_fmadd_ps(qv, y, b0);
+          qv = _mm256_broadcast_ss(q0 + D + d);
+          a1 = _mm256_fmadd_ps(qv, x, a1);
+          b1 = _mm256_fmadd_ps(qv, y, b1);
+          qv = _mm256_broadcast_ss(q0 + 2 * D + d);
+          a2 = _mm256_fmadd_ps(qv, x, a2);
+          b2 = _mm256_fmadd_ps(qv, y, b2);
+          qv = _mm256_broadcast_ss(q0 + 3 * D + d);
+          a3 = _mm256_fmadd_ps(qv, x, a3);
+          b3 = _mm256_fmadd_ps(qv, y, b3);
+        }
+        float* out = tb.scores.data() + r * W + (c - lo8);
+        _mm256_storeu_ps(out, a0);
+        _mm256_storeu_ps(out + 8, b0);
+        _mm256_storeu_ps(out + W, a1);
+        _mm256_storeu_ps(out + W + 8, b1);
+        _mm256_storeu_ps(out + 2 * W, a2);
+        _mm256_storeu_ps(out + 2 * W + 8, b2);
+        _mm256_storeu_ps(out + 3 * W, a3);
+        _mm256_storeu_ps(out + 3 * W + 8, b3);
+      }
+      for (; r < R; ++r) score_row_8(tb, D, W, lo8, r, c, 2);
+    }
+    for (; c < lo8 + W; c += 8)  // an odd last tile of 8 positions
+      for (int64_t r = 0; r < R; ++r) score_row_8(tb, D, W, lo8, r, c, 1);
+    // Softmax per row over its own visible positions [a, e) (relative to it.first; the diagonal tile's
+    // positions past a row's query are never read).
+    tb.lim.resize(2 * R);
+    tb.inv.resize(R);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t e = it.pos0 + j0 + r / G + 1 - it.first;
+      const int64_t a = lay.window > 0 ? std::max<int64_t>(0, e - lay.window) : 0;
+      float* p = tb.scores.data() + r * W - lo8;  // p[i] is position i's score
+      float m = p[a];
+      for (int64_t i = a + 1; i < e; ++i) m = std::max(m, p[i]);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = a; i < e; ++i) {
+        p[i] = exp_nonpositive(p[i] - m);
+        sum += p[i];
+      }
+      tb.lim[2 * r] = a;
+      tb.lim[2 * r + 1] = e;
+      tb.inv[r] = 1.f / sum;
+    }
+    // Values in blocks of positions that fit in L1 (16 KB of float32 rows), each applied to every row before
+    // the next: row by row over the whole context streamed every V row once per row from L2 and was the
+    // slowest part.
+    const int64_t KB = std::max<int64_t>(8, 4096 / D);
+    tb.acc.assign(R * D, 0.f);
+    for (int64_t k0 = lo; k0 < hi; k0 += KB) {
+      const int64_t k1 = std::min(hi, k0 + KB);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t a = std::max(k0, tb.lim[2 * r]), e = std::min(k1, tb.lim[2 * r + 1]);
+        if (a >= e) continue;
+        const float* p = tb.scores.data() + r * W - lo8;
+        float* acc_row = tb.acc.data() + r * D;
+        int64_t d0 = 0;
+        for (; d0 + 64 <= D; d0 += 64) {  // 8 accumulators of 8 in registers
+          __m256 acc[8];
+#pragma GCC unroll 8
+          for (int c = 0; c < 8; ++c) acc[c] = _mm256_loadu_ps(acc_row + d0 + 8 * c);
+          for (int64_t i = a; i < e; ++i) {
+            const __m256 w = _mm256_set1_ps(p[i]);
+            const float* v = tb.vf.data() + i * D + d0;
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+          }
+#pragma GCC unroll 8
+          for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc_row + d0 + 8 * c, acc[c]);
+        }
+        for (; d0 < D; ++d0)  // a head size that is not a multiple of 64: the rest in plain loops
+          for (int64_t i = a; i < e; ++i) acc_row[d0] += p[i] * tb.vf[i * D + d0];
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      T* orow = op + ((it.row0 + j0 + r / G) * lay.H + it.h * G + r % G) * D;
+      for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(tb.acc[r * D + d] * tb.inv[r]);
+    }
+  }
+}
+#endif
+
+// T: q and out; C: the cache's elements (T, or int8 with ksc/vsc its scales [num_blocks * block_size * KVH]).
+template <typename T, typename C>
+void spans_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const float* ksc,
+                const float* vsc, const at::Tensor& block_tables, const at::Tensor& seq_lens, const int64_t* qsl,
+                double scale, int64_t window, at::Tensor& out) {
   const int64_t B = seq_lens.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   const Layout lay{H, D, BS, KVH, H / KVH, block_tables.size(1), KVH * D, BS * KVH * D,
                    block_tables.data_ptr<int64_t>(), window, static_cast<float>(scale)};
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = static_cast<const C*>(k_cache.data_ptr());
+  const C* vp = static_cast<const C*>(v_cache.data_ptr());
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     Buffers buf;
+#if defined(LEVERLAB_ATTN_TILED)
+    TiledBuffers tb;
+#endif
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / KVH, ctx = lens[b], nq = qsl[b + 1] - qsl[b];
       const int64_t pos0 = ctx - nq;  // position of the span's first query
       const Item it{b, i % KVH, ctx, qsl[b], nq, pos0, window > 0 ? std::max<int64_t>(0, pos0 + 1 - window) : 0};
       row_offsets(lay, it, buf);
-#if defined(__AVX512BF16__) || defined(LEVERLAB_ATTN_AVX2)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        auto u = [](auto* p) { return reinterpret_cast<uint16_t*>(const_cast<T*>(p)); };
-        if (D == 64) { item_bf16<64>(u(qp), u(kp), u(vp), u(op), lay, it, buf); continue; }
-        if (D == 128) { item_bf16<128>(u(qp), u(kp), u(vp), u(op), lay, it, buf); continue; }
-        if (D == 256) { item_bf16<256>(u(qp), u(kp), u(vp), u(op), lay, it, buf); continue; }
-      }
+#if defined(LEVERLAB_ATTN_TILED)
+      if (nq >= kMinTiledSpan) { item_tiled(qp, kp, vp, ksc, vsc, op, lay, it, buf, tb); continue; }
 #endif
-      item_generic(qp, kp, vp, op, lay, it, buf);
+      if constexpr (std::is_same_v<C, int8_t>) {
+#if defined(LEVERLAB_ATTN_Q8)
+        if (D == 64) { item_q8<64>(qp, kp, vp, ksc, vsc, op, lay, it, buf); continue; }
+        if (D == 128) { item_q8<128>(qp, kp, vp, ksc, vsc, op, lay, it, buf); continue; }
+        if (D == 256) { item_q8<256>(qp, kp, vp, ksc, vsc, op, lay, it, buf); continue; }
+#endif
+      } else {
+#if defined(__AVX512BF16__) || defined(LEVERLAB_ATTN_AVX2)
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          auto u = [](auto* p) { return reinterpret_cast<uint16_t*>(const_cast<T*>(p)); };
+          if (D == 64) { item_bf16<64>(u(qp), u(kp), u(vp), u(op), lay, it, buf); continue; }
+          if (D == 128) { item_bf16<128>(u(qp), u(kp), u(vp), u(op), lay, it, buf); continue; }
+          if (D == 256) { item_bf16<256>(u(qp), u(kp), u(vp), u(op), lay, it, buf); continue; }
+        }
+#endif
+      }
+      item_generic(qp, kp, vp, ksc, vsc, op, lay, it, buf);
     }
   });
 }
@@ -349,13 +650,26 @@ void spans_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                         at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                        int64_t window) {
+                        int64_t window, const c10::optional<at::Tensor>& k_scale,
+                        const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   query_start_loc.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong,
               "int64 metadata");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k.scalar_type() == k_cache.scalar_type() &&
-                  v.scalar_type() == k_cache.scalar_type(), "q, k, v and the cache must share a dtype");
+  const bool q8 = k_scale.has_value();
+  TORCH_CHECK(q8 == v_scale.has_value(), "k_scale and v_scale come together");
+  if (q8) {
+    TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar,
+                "scales come with an int8 cache");
+    TORCH_CHECK(k_scale->scalar_type() == at::kFloat && v_scale->scalar_type() == at::kFloat &&
+                    k_scale->is_contiguous() && v_scale->is_contiguous() &&
+                    k_scale->numel() == k_cache.numel() / k_cache.size(3) && v_scale->numel() == k_scale->numel(),
+                "scales: float32 [num_blocks, block_size, KVH], contiguous");
+    TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, k, v share a dtype");
+  } else {
+    TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k.scalar_type() == k_cache.scalar_type() &&
+                    v.scalar_type() == k_cache.scalar_type(), "q, k, v and the cache must share a dtype");
+  }
   TORCH_CHECK(query_start_loc.numel() == seq_lens.numel() + 1, "query_start_loc has B + 1 entries");
   TORCH_CHECK(slot_mapping.numel() == k.size(0) && k.sizes() == v.sizes() && k.size(0) == q.size(0),
               "one slot and one K/V row per query");
@@ -369,8 +683,23 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
   TORCH_CHECK(starts[sl.size(0)] == q.size(0), "query_start_loc must end at the number of queries");
   auto out = at::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    write_new_kv<scalar_t>(kc, vc, k_cache, v_cache, slots);
-    spans_impl<scalar_t>(qc, k_cache, v_cache, bt, sl, starts, scale, window, out);
+    if (q8) {
+      float* ks = k_scale->data_ptr<float>();
+      float* vs = v_scale->data_ptr<float>();
+      write_new_kv_q8<scalar_t>(kc, vc, k_cache, v_cache, ks, vs, slots);
+      spans_impl<scalar_t, int8_t>(qc, k_cache, v_cache, ks, vs, bt, sl, starts, scale, window, out);
+    } else {
+      write_new_kv<scalar_t>(kc, vc, k_cache, v_cache, slots);
+      spans_impl<scalar_t, scalar_t>(qc, k_cache, v_cache, nullptr, nullptr, bt, sl, starts, scale, window, out);
+    }
   });
   return out;
+}
+
+bool has_tiled_attention() {
+#if defined(LEVERLAB_ATTN_TILED)
+  return true;
+#else
+  return false;
+#endif
 }
