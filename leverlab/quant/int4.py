@@ -136,16 +136,6 @@ class Int4Method(QuantMethod):
             for name in ("scales", "qzeros"):
                 delattr(layer, name)
         dtype = layer.params_dtype
-        sz = torch.stack([s, (8.0 - z.float()) * s], dim=-1).transpose(0, 1).contiguous().to(dtype)
-        if q.device.type == "cuda":
-            k = layer.in_features
-            tiles = 8 if k % 256 == 0 else 4 if k % 128 == 0 else 2
-            nibbles = (q[:, ::2].to(torch.uint8) << 4) | q[:, 1::2].to(torch.uint8)
-            packed = torch.ops.aten._convert_weight_to_int4pack(nibbles.contiguous(), tiles)
-        else:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
-        set_param(layer, "qweight", packed)
-        set_param(layer, "scales_and_zeros", sz)  # [in/g, out, 2]
         # Our streaming kernel (csrc/quant_linear.cpp) for up to 8 rows on the CPU, in its own layout: aten's
         # int4 kernel is compute-bound at a row (about half the rate our bf16 kernel reads at).
         layer.q4 = None
@@ -157,6 +147,23 @@ class Int4Method(QuantMethod):
         if self.w8a8_min_rows is not None and use_int8_gemm(layer, dtype, q.device):
             # the batched path's copy (see the class docstring)
             layer.int8_key = int8_gemm.pack(layer, *quantize_int8(dequantize_int4(q, s, z, self.group_size)))
+        if layer.q4 is not None and layer.int8_key is not None and self.w8a8_min_rows <= STREAMING_MAX_ROWS + 1:
+            # Every row count has its kernel (streaming up to STREAMING_MAX_ROWS, then the int8 GEMM), so aten's
+            # int4 layout would never be read: not building it saves 0.56 bytes per weight (int4 held ~2.1 bytes
+            # per weight in all against bf16's 2).
+            set_param(layer, "qweight", None)
+            layer.scales_and_zeros = None
+            return
+        sz = torch.stack([s, (8.0 - z.float()) * s], dim=-1).transpose(0, 1).contiguous().to(dtype)
+        if q.device.type == "cuda":
+            k = layer.in_features
+            tiles = 8 if k % 256 == 0 else 4 if k % 128 == 0 else 2
+            nibbles = (q[:, ::2].to(torch.uint8) << 4) | q[:, 1::2].to(torch.uint8)
+            packed = torch.ops.aten._convert_weight_to_int4pack(nibbles.contiguous(), tiles)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+        set_param(layer, "qweight", packed)
+        set_param(layer, "scales_and_zeros", sz)  # [in/g, out, 2]
 
     def apply(self, layer, x: torch.Tensor, batched_path: bool = True) -> torch.Tensor:
         x2 = flatten(x)
@@ -165,17 +172,20 @@ class Int4Method(QuantMethod):
             y = streaming_kernels(x.device).int4_linear(x2, q4[0], q4[1][0], q4[1][1], self.group_size, layer.bias)
             return y.view(*x.shape[:-1], layer.out_features)
         perm = getattr(layer, "q_perm", None)
-        if perm is not None:
+        if perm is not None:  # GPTQ act-order: the weights' input channels are permuted (int8 copy included)
             x2 = x2[:, perm]
-        sz = layer.scales_and_zeros
-        if x2.dtype != sz.dtype:
-            x2 = x2.to(sz.dtype)
+        sz = getattr(layer, "scales_and_zeros", None)
         if batched_path and getattr(layer, "int8_key", None) is not None and x2.shape[0] >= self.w8a8_min_rows:
             y = int8_gemm.int8_linear(x2, layer.int8_key, layer.out_features)
-        elif x.device.type == "cuda":
-            y = torch.ops.aten._weight_int4pack_mm(x2, layer.qweight, self.group_size, sz)
+        elif sz is None:  # only the streaming layout was kept (no permutation then)
+            y = streaming_kernels(x.device).int4_linear(x2, q4[0], q4[1][0], q4[1][1], self.group_size, None)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.qweight, self.group_size, sz)
+            if x2.dtype != sz.dtype:
+                x2 = x2.to(sz.dtype)
+            if x.device.type == "cuda":
+                y = torch.ops.aten._weight_int4pack_mm(x2, layer.qweight, self.group_size, sz)
+            else:
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.qweight, self.group_size, sz)
         y = y.to(x.dtype)
         if layer.bias is not None:
             y = y + layer.bias
@@ -191,9 +201,16 @@ class Int4Method(QuantMethod):
             return layer.q4[0].numel() + layer.q4[1].numel() * 4 + bias
         if getattr(layer, "int8_key", None) is not None and rows >= self.w8a8_min_rows:
             return layer.out_features * (layer.in_features + 4) + bias  # the packed int8 copy + fp32 scales
+        if getattr(layer, "scales_and_zeros", None) is None:
+            return layer.q4[0].numel() + layer.q4[1].numel() * 4 + bias
         return sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scales_and_zeros)) + bias
 
     def dequantize(self, layer) -> torch.Tensor:
+        if getattr(layer, "scales_and_zeros", None) is None:  # only the streaming layout: w = q * s - s * z
+            packed, (sc, sz) = layer.q4
+            p = packed.view(layer.out_features, -1, 16)
+            q = torch.cat([p & 15, p >> 4], dim=2).view(layer.out_features, -1, self.group_size).float()
+            return (q * sc[..., None] - sz[..., None]).view(layer.out_features, layer.in_features)
         # Multiply the identity through the kernel: exactly the weight the kernel uses, [in, out] -> [out, in].
         eye = torch.eye(layer.in_features, dtype=layer.scales_and_zeros.dtype, device=layer.qweight.device)
         # With a GPTQ act-order permutation, apply() permutes the identity's columns, which puts the rows

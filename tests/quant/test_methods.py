@@ -132,6 +132,8 @@ def test_int4_batched_path_uses_an_int8_copy_of_the_int4_weight():
     from leverlab.quant.int8 import STREAMING_MAX_ROWS
 
     layer, w, b = quantized_linear("int4-g32", torch.bfloat16)
+    if layer.q4 is not None:  # streaming up to 16 rows, the int8 copy past that: aten's int4 layout is not kept
+        assert layer.qweight is None and layer.scales_and_zeros is None
     w4 = layer.quant_method.dequantize(layer)
     q8, s8 = int8_gemm.unpack(layer.int8_key)
     # the copy re-quantizes the int4 weight: within half an int8 step per channel (+ the bf16 rounding of w4,
