@@ -22,6 +22,7 @@ from leverlab import env
 from leverlab.layers import cpu_kernels
 from leverlab.layers.attention import KERNEL_MAX_SPAN, AttentionMetadata
 from leverlab.models.decoder import CausalLM
+from leverlab.quant import autotune
 from leverlab.quant.int8 import STREAMING_MAX_ROWS
 
 log = logging.getLogger("leverlab")
@@ -96,8 +97,11 @@ def _build(model: CausalLM, kv_caches, kv_cache_dtype: str, tp_size: int, kv_sca
     if kv_cache_dtype == "int8":
         dec.set_kv_scales(list(kv_scales))
     head_rows = _set_head(dec, model, dtype)
-    # Quantized linears stream up to STREAMING_MAX_ROWS rows; past that the module path's batched kernels (fbgemm).
-    return FusedForward(dec, max_tokens=STREAMING_MAX_ROWS if any(kinds) else None, head_rows=head_rows)
+    # Quantized linears stream; past the rows where that stops paying (measured at load, quant/autotune.py) the
+    # module path takes the step, each layer at its faster kernel (fbgemm's GEMM past its own crossover).
+    linears = [m for layer in model.model.layers for m in layer.modules() if getattr(m, "quant_method", None)]
+    rows = autotune.fused_rows(linears, len(model.model.layers)) if any(kinds) else None
+    return FusedForward(dec, max_tokens=rows, head_rows=head_rows)
 
 
 def _set_head(dec, model: CausalLM, dtype: torch.dtype) -> int:
@@ -117,7 +121,7 @@ def _set_head(dec, model: CausalLM, dtype: torch.dtype) -> int:
         return 0
     kind, (w, scale, _) = weights
     dec.set_head(kind, w, scale)
-    return STREAMING_MAX_ROWS
+    return getattr(head, "stream_rows", STREAMING_MAX_ROWS)
 
 
 class FusedForward:

@@ -15,6 +15,7 @@ from leverlab.layers.linear import Linear
 from leverlab.layers.parallel import VocabParallelEmbedding
 from leverlab.models.config import ModelConfig
 from leverlab.models.decoder import CausalLM
+from leverlab.quant import autotune
 from leverlab.quant.base import attach_quant_method, finish_quantization
 from leverlab.quant.registry import get_quant_method, head_quant_method, quant_method_for_checkpoint
 
@@ -65,6 +66,8 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.de
         raise UnsupportedLever(f"--tensor-parallel-size {tp_size} with {name}, on each rank's slice: {e}") from e
     load_weights(model, path)
     finish_quantization(quantized)
+    if torch.device(device).type == "cpu":
+        autotune.tune(quantized)  # how many rows each layer streams before fbgemm's GEMM is faster
     model.quant_method = method
     return model.eval()
 

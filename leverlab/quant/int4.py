@@ -168,7 +168,7 @@ class Int4Method(QuantMethod):
     def apply(self, layer, x: torch.Tensor, batched_path: bool = True) -> torch.Tensor:
         x2 = flatten(x)
         q4 = getattr(layer, "q4", None)
-        if q4 is not None and batched_path and x2.shape[0] <= STREAMING_MAX_ROWS:
+        if q4 is not None and batched_path and x2.shape[0] <= getattr(layer, "stream_rows", STREAMING_MAX_ROWS):
             y = streaming_kernels(x.device).int4_linear(x2, q4[0], q4[1][0], q4[1][1], self.group_size, layer.bias)
             return y.view(*x.shape[:-1], layer.out_features)
         perm = getattr(layer, "q_perm", None)
@@ -197,7 +197,7 @@ class Int4Method(QuantMethod):
 
     def bytes_read(self, layer, rows: int) -> int:
         bias = layer.bias.numel() * layer.bias.element_size() if layer.bias is not None else 0
-        if getattr(layer, "q4", None) is not None and rows <= STREAMING_MAX_ROWS:
+        if getattr(layer, "q4", None) is not None and rows <= getattr(layer, "stream_rows", STREAMING_MAX_ROWS):
             return layer.q4[0].numel() + layer.q4[1].numel() * 4 + bias
         if getattr(layer, "int8_key", None) is not None and rows >= self.w8a8_min_rows:
             return layer.out_features * (layer.in_features + 4) + bias  # the packed int8 copy + fp32 scales

@@ -112,7 +112,7 @@ class Int8Method(QuantMethod):
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         x2 = flatten(x)
-        if layer.q8 is not None and x2.shape[0] <= STREAMING_MAX_ROWS:
+        if layer.q8 is not None and x2.shape[0] <= getattr(layer, "stream_rows", STREAMING_MAX_ROWS):
             y = streaming_kernels(x.device).int8_linear(x2, *layer.q8, layer.bias, self.quantize_activations)
             return y.view(*x.shape[:-1], layer.out_features)
         if layer.int8_key is not None and x2.shape[0] >= self.w8a8_min_rows:
@@ -137,7 +137,7 @@ class Int8Method(QuantMethod):
 
     def bytes_read(self, layer, rows: int) -> int:
         bias = layer.bias.numel() * layer.bias.element_size() if layer.bias is not None else 0
-        if layer.q8 is not None and rows <= STREAMING_MAX_ROWS:
+        if layer.q8 is not None and rows <= getattr(layer, "stream_rows", STREAMING_MAX_ROWS):
             return layer.q8[0].numel() + 4 * layer.out_features + bias
         if layer.int8_key is not None and rows >= self.w8a8_min_rows:
             return layer.out_features * (layer.in_features + 4) + bias  # the packed int8 weight + fp32 scales

@@ -147,3 +147,27 @@ def test_int4_batched_path_uses_an_int8_copy_of_the_int4_weight():
     bound = 4e-2 if int8_gemm.REDUCE_RANGE else 2e-2  # 7-bit activations without VNNI (see int8_gemm.py)
     assert ((layer(x).float() - expected).abs() <= bound * expected.abs().amax(1, keepdim=True)).all()
     assert layer.quant_method.bytes_read(layer, 1) < layer.quant_method.bytes_read(layer, rows)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_autotune_times_both_kernels_and_either_gives_the_weight(name, monkeypatch):
+    """Load-time tuning (quant/autotune.py): each layer streams up to the rows where that is measured no slower
+    than fbgemm's GEMM over the int8 copy; whichever kernel a row count takes, the product is the layer's weight's.
+    LEVERLAB_STREAM_ROWS fixes the cut instead."""
+    from leverlab.quant import autotune
+
+    layer, w, b = quantized_linear(name, torch.bfloat16)
+    if not autotune.eligible(layer):
+        pytest.skip("no streaming kernel or no fbgemm here: nothing to choose between")
+    autotune.tune([layer])
+    assert 0 <= layer.stream_rows <= 16 and sorted(layer.row_times) == list(autotune.ROWS)
+    assert all(t > 0 for pair in layer.row_times.values() for t in pair)
+    ref_w = layer.quant_method.dequantize(layer)
+    x = torch.randn(16, 256).to(torch.bfloat16)
+    expected = x.float() @ ref_w.t() + b.to(torch.bfloat16).float()
+    for rows in (0, 16):  # everything on fbgemm's GEMM (past one row), everything streamed
+        layer.stream_rows = rows
+        assert ((layer(x).float() - expected).abs() <= 5e-2 * expected.abs().amax(1, keepdim=True)).all()
+    monkeypatch.setenv("LEVERLAB_STREAM_ROWS", "2")
+    autotune.tune([layer])
+    assert layer.stream_rows == 2 and autotune.fused_rows([layer], 1) == 2
