@@ -125,6 +125,31 @@ struct Item {
   int64_t b, h, ctx, row0, nq, pos0, first;
 };
 
+// p[0 .. n) -> exp(p[i] - max) in place; returns 1 / their sum. With AVX2 eight at a time: gcc left the
+// `omp simd` form of this loop scalar (the exp's float -> int -> float steps), and in the tiled prefill path it
+// was 40% of the attention's time.
+inline float softmax_span(float* p, int64_t n) {
+  float m = p[0];
+  for (int64_t i = 1; i < n; ++i) m = std::max(m, p[i]);
+  float sum = 0.f;
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + i), mv));
+    _mm256_storeu_ps(p + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum8(acc);
+#endif
+  for (; i < n; ++i) {
+    p[i] = exp_nonpositive(p[i] - m);
+    sum += p[i];
+  }
+  return 1.f / sum;
+}
+
 // Softmax over each row's visible positions, in place: probs[r * L + i] is row r's score for position
 // first + i; query j = r / G sees positions [lo, pos0 + j]. Writes 1 / sum into inv[r].
 inline void softmax_rows(float* probs, float* inv, const Item& it, int64_t R, int64_t G, int64_t L, int64_t window) {
@@ -132,16 +157,7 @@ inline void softmax_rows(float* probs, float* inv, const Item& it, int64_t R, in
     const int64_t j = r / G;
     const int64_t lo = window > 0 ? std::max(it.first, it.pos0 + j + 1 - window) : it.first;
     const int64_t a = lo - it.first, e = it.pos0 + j + 1 - it.first;
-    float* p = probs + r * L;
-    float m = p[a];
-    for (int64_t i = a + 1; i < e; ++i) m = std::max(m, p[i]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = a; i < e; ++i) {
-      p[i] = exp_nonpositive(p[i] - m);
-      sum += p[i];
-    }
-    inv[r] = 1.f / sum;
+    inv[r] = softmax_span(probs + r * L + a, e - a);
   }
 }
 
@@ -547,17 +563,9 @@ void item_tiled(const T* qp, const C* kp, const C* vp, const float* ksc, const f
       const int64_t e = it.pos0 + j0 + r / G + 1 - it.first;
       const int64_t a = lay.window > 0 ? std::max<int64_t>(0, e - lay.window) : 0;
       float* p = tb.scores.data() + r * W - lo8;  // p[i] is position i's score
-      float m = p[a];
-      for (int64_t i = a + 1; i < e; ++i) m = std::max(m, p[i]);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = a; i < e; ++i) {
-        p[i] = exp_nonpositive(p[i] - m);
-        sum += p[i];
-      }
       tb.lim[2 * r] = a;
       tb.lim[2 * r + 1] = e;
-      tb.inv[r] = 1.f / sum;
+      tb.inv[r] = softmax_span(p + a, e - a);
     }
     // Values in blocks of positions that fit in L1 (16 KB of float32 rows), each applied to every row before
     // the next: row by row over the whole context streamed every V row once per row from L2 and was the
