@@ -36,6 +36,7 @@ PROPOSERS = {
     "ngram": "leverlab.spec.ngram:NgramProposer",
     "draft_model": "leverlab.spec.draft_model:DraftModelProposer",
     "eagle": "leverlab.spec.eagle:EagleProposer",
+    "eagle3": "leverlab.spec.eagle:EagleProposer",
 }
 
 

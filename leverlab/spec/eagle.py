@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from leverlab.config import default_model_path
 from leverlab.engine.block_manager import BlockManager
 from leverlab.engine.model_runner import pick_device
 from leverlab.engine.sampler import probabilities
@@ -62,7 +63,10 @@ class EagleProposer:
 
     @classmethod
     def from_config(cls, spec, engine_config, max_model_len: int) -> EagleProposer:
-        head = load_head(spec.model, DTYPES[engine_config.dtype], pick_device(engine_config.device))
+        from leverlab.models.config import ModelConfig
+
+        layers = ModelConfig.from_folder(engine_config.model or default_model_path()).num_layers
+        head = load_head(spec.model, DTYPES[engine_config.dtype], pick_device(engine_config.device), layers)
         return cls(head, spec.model, engine_config)
 
     def attach(self, runner) -> None:
@@ -76,7 +80,8 @@ class EagleProposer:
         if getattr(getattr(runner, "tp", None), "size", 1) > 1:
             # The target's embedding and lm_head are sharded, and using them takes every rank's part in a
             # collective: the head (rank 0 only) reads its own full copy from the checkpoint instead.
-            self.own_weights = _load_embedding_and_lm_head(self.engine_config, self.dtype, self.device)
+            path = self.engine_config.model or default_model_path()
+            self.own_weights = load_embedding_and_lm_head(path, self.dtype, self.device)
         bs = runner.block_size
         # As many tokens as the target's pool, plus headroom for the K - 1 draft rows of each sequence.
         num_blocks = runner.num_blocks + self.engine_config.max_num_seqs
@@ -162,7 +167,7 @@ class EagleProposer:
                 row = st.shadow.num_computed_tokens + step - 1  # uncounted: the next catch-up overwrites it
                 spans.append((st.shadow, row, 1))
                 positions.append(st.start + row)
-            h = self._run(spans, [toks[j] for j in keep], positions, h)
+            h = self._run(spans, [toks[j] for j in keep], positions, self.head.feedback(h))
         for i, qs in probs.items():
             drafts[i].probs = torch.stack(qs)
         return drafts
@@ -206,24 +211,34 @@ class EagleProposer:
 
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.head.embed_tokens is not None:  # a head with its own table (EAGLE-3 checkpoints may bring one)
+            return self.head.embed_tokens(ids)
         if self.own_weights is not None:
             return F.embedding(ids, self.own_weights[0])
         return self.target.model.embed_tokens(ids)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, H] (normed) -> float32 logits [B, V] over the TARGET's vocabulary."""
+        head = self.head
+        if head.lm_head is not None:
+            # The head's own output head over its draft vocabulary [B, Vd], put back at the target ids; ids the
+            # draft cannot say get -inf (probability 0), so greedy picks and sampled q live on target ids.
+            small = head.lm_head(hidden).float()
+            full = small.new_full((small.shape[0], head.config.vocab_size), float("-inf"))
+            full[:, head.draft_to_target] = small
+            return full
         if self.own_weights is not None:
             return F.linear(hidden, self.own_weights[1]).float()
         return self.target.compute_logits(hidden)
 
 
-def _load_embedding_and_lm_head(engine_config, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+def load_embedding_and_lm_head(path, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's full embedding table and output head [V, H] from its checkpoint (tied: one tensor)."""
     from safetensors import safe_open
 
-    from leverlab.config import default_model_path
     from leverlab.models.loader import checkpoint_files
 
-    path = Path(engine_config.model or default_model_path())
+    path = Path(path)
     found: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:

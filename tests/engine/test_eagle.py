@@ -77,6 +77,8 @@ def test_train_eagle_writes_a_loadable_head_folder(trained_head, target):
     assert "acceptance" in card and "leverlab train-eagle" in card
     figures = json.loads((trained_head / "eval.json").read_text())["measured"]
     assert 0 <= figures["acceptance"] <= 1 and len(figures["per_position"]) == 3
+    spec = json.loads((trained_head / "speculators" / "config.json").read_text())  # the export for vLLM
+    assert spec["speculators_model_type"] == "eagle3" and spec["eagle_aux_hidden_state_layer_ids"] == [1, 2]
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -190,7 +192,7 @@ def test_compiled_forward_with_eagle(target, trained_head, plain, tmp_path, monk
 
 def test_own_embedding_and_lm_head_copy_matches_the_shared_ones(checkpoint_factory, tmp_path):
     """At tensor-parallel size > 1 the head reads its own full copy (the target's are sharded)."""
-    from leverlab.spec.eagle import _load_embedding_and_lm_head
+    from leverlab.spec.eagle import load_embedding_and_lm_head
 
     for arch in ("qwen3", "llama"):  # tied and untied output heads
         path = checkpoint_factory(arch)
@@ -198,5 +200,5 @@ def test_own_embedding_and_lm_head_copy_matches_the_shared_ones(checkpoint_facto
         p = llm.engine.proposer
         ids, h = torch.tensor([1, 5, 9]), torch.randn(2, p.head.config.hidden_size)
         shared = p._embed(ids), p._logits(h)
-        p.own_weights = _load_embedding_and_lm_head(llm.engine.config, p.dtype, p.device)
+        p.own_weights = load_embedding_and_lm_head(path, p.dtype, p.device)
         assert torch.equal(shared[0], p._embed(ids)) and torch.allclose(shared[1], p._logits(h))
