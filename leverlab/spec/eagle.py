@@ -49,7 +49,7 @@ class _State:
 
 
 class EagleProposer:
-    cheap = False
+    needs_features = True
 
     def __init__(self, head, path: str, engine_config):
         self.head, self.path, self.engine_config = head, path, engine_config
@@ -68,6 +68,9 @@ class EagleProposer:
         layers = ModelConfig.from_folder(engine_config.model or default_model_path()).num_layers
         head = load_head(spec.model, DTYPES[engine_config.dtype], pick_device(engine_config.device), layers)
         return cls(head, spec.model, engine_config)
+
+    def check_vocab(self, target_vocab: int) -> None:
+        pass  # checked with the rest of the target's shape in attach()
 
     def attach(self, runner) -> None:
         """Share the target's embedding and lm_head; size the head's KV pool like the target's."""

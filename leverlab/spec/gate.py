@@ -1,0 +1,119 @@
+"""The speculation gate (`adaptive: true`): per batch-size bucket, speculate only where it measurably pays.
+
+No cost model. Two arms per bucket: speculate (K = num_speculative_tokens) or plain decoding. Each arm's
+throughput is measured on the engine's own decode-only steps (tokens emitted / whole-step seconds, drafting,
+verification and output included), as exponentially weighted sums of tokens and of seconds. The bucket runs
+the better arm; every PROBE_EVERY of its steps it runs the other arm for RUN steps, so the comparison follows
+changes in acceptance (a different workload) and in cost (other load on the machine), and the acceptance
+statistics stay fresh. A new bucket first tries both arms for RUN steps each; an arm with no measurement yet counts as slower.
+
+Why it cannot lose much: while the gate is shut a step is a plain step (no drafting, no feature capture, no
+aux output: the decoder switches the runner's capture off), and the losing arm only runs RUN of every
+PROBE_EVERY + RUN steps. A proposer that drafts from features (EAGLE) needs the step before a speculating run
+to capture them: that step is plain but captures (`capture_next`).
+
+Buckets: round(log2(decoding sequences)), so 6-11 sequences share one (a batch drifts by one or two as
+requests come and go under continuous arrivals).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Arm:
+    tokens: float = 0.0  # decayed sums
+    seconds: float = 0.0
+    samples: int = 0
+
+    def add(self, tokens: int, seconds: float, decay: float) -> None:
+        self.tokens = self.tokens * decay + tokens
+        self.seconds = self.seconds * decay + seconds
+        self.samples += 1
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Bucket:
+    arms: dict[bool, _Arm] = field(default_factory=lambda: {True: _Arm(), False: _Arm()})
+    steps: int = 0  # decisions made in this bucket
+    run_arm: bool | None = None  # the arm of the run in progress (probe or first tries)
+    run_left: int = 0
+
+    def best(self) -> bool:
+        return self.arms[True].rate > self.arms[False].rate
+
+
+class ThroughputGate:
+    RUN = 4  # steps per probe run (and per first try)
+    PROBE_EVERY = 48  # steps of the winning arm between probe runs of the other
+    DECAY = 0.9  # per measured step of an arm: about the last 10 steps count
+
+    def __init__(self, needs_capture: bool):
+        self.needs_capture = needs_capture
+        self.buckets: dict[int, _Bucket] = {}
+        self.acceptance = 0.5  # running share of drafted tokens accepted (per position tried)
+        self.steps = {True: 0, False: 0}  # steps run per arm (exported as counters)
+
+    @staticmethod
+    def bucket_of(num_seqs: int) -> int:
+        return round(math.log2(max(1, num_seqs)))
+
+    def _next_run(self, b: _Bucket, steps: int) -> bool | None:
+        """The arm a run starting at decision number `steps` would take (None: no run, follow the best)."""
+        # A new bucket tries each arm for a run first. By decision count, not samples: capture_next must
+        # foretell the next decision before this step's measurement is in.
+        if steps <= 2 * self.RUN:
+            return steps <= self.RUN
+        return (not b.best()) if steps % (self.PROBE_EVERY + self.RUN) == 0 else None
+
+    def decide(self, num_seqs: int) -> bool:
+        """Speculate this step? num_seqs: decoding sequences this step. O(1): a dict lookup and counters."""
+        b = self.buckets.get(k := self.bucket_of(num_seqs))
+        if b is None:
+            b = self.buckets[k] = _Bucket()
+        b.steps += 1
+        if b.run_left <= 0:
+            b.run_arm = self._next_run(b, b.steps)
+            b.run_left = self.RUN if b.run_arm is not None else 0
+        if b.run_arm is not None:
+            b.run_left -= 1
+            arm = b.run_arm
+        else:
+            arm = b.best()
+        self.steps[arm] += 1
+        return arm
+
+    def capture_next(self, num_seqs: int) -> bool:
+        """Will the next step (same bucket) speculate? Then this one must capture features for it."""
+        if not self.needs_capture:
+            return False
+        b = self.buckets.get(self.bucket_of(num_seqs))
+        if b is None:
+            return True
+        if b.run_left > 0:
+            return bool(b.run_arm)
+        arm = self._next_run(b, b.steps + 1)
+        return b.best() if arm is None else arm
+
+    def observe_step(self, num_seqs: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """A decode-only step's outcome (tokens emitted over all sequences, whole-step seconds). The decoder
+        leaves out steps that do not show an arm as it is: a speculating step that found no drafts, and a
+        plain step that captured features for the next."""
+        b = self.buckets.get(self.bucket_of(num_seqs))
+        if b is not None and seconds > 0:
+            b.arms[speculated].add(tokens, seconds, self.DECAY)
+
+    def observe_verify(self, drafted: int, accepted: int) -> None:
+        tried = min(accepted + 1, drafted)
+        if tried:
+            self.acceptance = 0.95 * self.acceptance + 0.05 * accepted / tried
+
+    def rates(self) -> dict[int, tuple[float, float]]:
+        """Per bucket: (speculating, plain) tokens/s as measured now."""
+        return {k: (b.arms[True].rate, b.arms[False].rate) for k, b in sorted(self.buckets.items())}
