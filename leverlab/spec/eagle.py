@@ -1,10 +1,11 @@
 """EAGLE proposer: a one-layer head drafts from the target's own hidden states (spec/eagle_head.py).
 
 Per target sequence the head keeps a shadow (its own paged KV in its own block pool, parallel degree 1) and
-the fused features of target positions it has not consumed yet. Head row r sits at target position
-start + r, where `start` is the first position whose features the target computed for this sequence: a
-prefix-cache hit skips the target's compute for the cached prompt positions, so the head's context simply
-begins after them (acceptance may dip on such prompts; correctness never depends on the head).
+the fused features of target positions it has not consumed yet. Head rows hold the positions whose features
+the target computed, in order, each rotated at its own position; positions without features leave a gap
+rather than a restart: a prefix-cache hit skips the target's compute for cached prompt positions, and while
+the speculation gate is shut no features are captured at all. The head attends over the rows it has (its
+acceptance may dip after a gap; correctness never depends on the head).
 
 Flow each step:
   observe(result)  after verification: keep the aux rows of positions the target kept (accepted tokens
@@ -13,7 +14,8 @@ Flow each step:
                    with the first draft), then one pass per further draft, feeding the head's own output
                    hidden state as the feature; draft rows are never counted as computed, so the next
                    catch-up overwrites them with rows built from the target's real features.
-Invariant: start + shadow.num_computed_tokens + n_pending == the next target position to receive features.
+Invariant: next_position is the target position after the last feature received (pending or in the KV);
+the pending chunks are in position order, each a run of consecutive positions.
 """
 
 from __future__ import annotations
@@ -39,13 +41,10 @@ from leverlab.spec.eagle_head import load_head
 @dataclass(eq=False)
 class _State:
     shadow: Sequence  # head KV accounting: block table; num_computed_tokens = head rows with valid KV
-    start: int  # target position of head row 0
+    next_position: int  # the target position after the last feature received
     pending: list[torch.Tensor] = field(default_factory=list)  # fused features [n, H], in position order
+    pending_at: list[int] = field(default_factory=list)  # first target position of each pending chunk
     n_pending: int = 0
-
-    @property
-    def next_position(self) -> int:
-        return self.start + self.shadow.num_computed_tokens + self.n_pending
 
 
 class EagleProposer:
@@ -102,25 +101,25 @@ class EagleProposer:
     def observe(self, result) -> None:
         """After verification: take the aux rows of the positions each sequence kept."""
         picks: list[torch.Tensor] = []
-        owners: list[tuple[_State, int]] = []
+        owners: list[tuple[_State, int, int]] = []
         for seq, first, row0, n in result.aux_spans:
             keep = min(n, seq.num_computed_tokens - first)  # rejected drafts' rows are dropped
             st = self.states.get(seq.seq_id)
-            if st is not None and first > st.next_position:  # a gap: features missing, start over here
-                self.release(seq)
-                st = None
             if st is None:
                 shadow = Sequence(seq.seq_id, seq.request_id, seq.index, [], seq.params, _generator(seq))
                 st = self.states[seq.seq_id] = _State(shadow, first)
-            skip = st.next_position - first  # rows the head already has (never after a release)
+            # Rows the head already has are skipped; after a gap (first > next_position) none are.
+            skip = max(0, st.next_position - first)
             if keep > skip:
                 picks.append(torch.arange(row0 + skip, row0 + keep))
-                owners.append((st, keep - skip))
+                owners.append((st, first + skip, keep - skip))
+                st.next_position = first + keep
         if not picks:
             return
         fused = self.head.fuse(result.aux[torch.cat(picks).to(result.aux.device)].to(self.dtype))  # [N, H]
-        for (st, n), chunk in zip(owners, fused.split([n for _, n in owners])):
+        for (st, p0, n), chunk in zip(owners, fused.split([n for _, _, n in owners])):
             st.pending.append(chunk)
+            st.pending_at.append(p0)
             st.n_pending += n
 
     # ---- drafting ----------------------------------------------------------------------------------
@@ -144,13 +143,14 @@ class EagleProposer:
         ids, positions, feats, spans = [], [], [], []
         for _, seq, st, _ in active:
             done, n = st.shadow.num_computed_tokens, st.n_pending
-            p0 = st.start + done
-            ids += _tokens(seq, p0 + 1, p0 + n + 1)  # the row at position p reads the token at p + 1
-            positions += range(p0, p0 + n)
+            for p0, chunk in zip(st.pending_at, st.pending):
+                m = chunk.shape[0]
+                ids += _tokens(seq, p0 + 1, p0 + m + 1)  # the row at position p reads the token at p + 1
+                positions += range(p0, p0 + m)
             feats += st.pending
             spans.append((st.shadow, done, n))
             st.shadow.num_computed_tokens += n
-            st.pending, st.n_pending = [], 0
+            st.pending, st.pending_at, st.n_pending = [], [], 0
         hidden = self._run(spans, ids, positions, torch.cat(feats))
         last = torch.tensor([sum(n for _, _, n in spans[: j + 1]) - 1 for j in range(len(spans))])
         h = hidden[last.to(hidden.device)]  # [B, H]
@@ -169,7 +169,7 @@ class EagleProposer:
             for _, _, st, _ in active:
                 row = st.shadow.num_computed_tokens + step - 1  # uncounted: the next catch-up overwrites it
                 spans.append((st.shadow, row, 1))
-                positions.append(st.start + row)
+                positions.append(st.next_position + step - 1)  # the draft's own position
             h = self._run(spans, [toks[j] for j in keep], positions, self.head.feedback(h))
         for i, qs in probs.items():
             drafts[i].probs = torch.stack(qs)

@@ -111,6 +111,23 @@ def test_adaptive_k_with_eagle_is_lossless(target, trained_head, plain):
     assert_all_free(llm)
 
 
+def test_gate_switching_arms_at_random_stays_lossless(target, trained_head, plain):
+    """The gate opening and shutting at random: the head sees features with gaps (no capture while shut)
+    and keeps drafting over the rows it has; output stays the target's, blocks all free."""
+    import random
+
+    llm = LLM(target, dtype="float32", speculative_config=spec(str(trained_head), adaptive=True))
+    rng = random.Random(5)
+    gate = llm.engine.spec.gate
+    gate.decide = lambda n: rng.random() < 0.5
+    gate.capture_next = lambda n: rng.random() < 0.5
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == tokens(plain)
+    c = llm.engine.counter_snapshot()
+    assert c["spec_gate_spec_steps"] > 0 and c["spec_gate_plain_steps"] > 0
+    assert 0 < c["spec_accepted_tokens"] < c["spec_draft_tokens"]
+    assert_all_free(llm)
+
+
 def test_blocks_free_through_preemption_chunking_prefix_hits_and_aborts(target, trained_head):
     long_prompts = [list(range(5, 5 + n)) for n in (3, 40, 17, 1, 70, 9)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
