@@ -2,7 +2,9 @@
 
 No cost model. Two arms per bucket: speculate (K = num_speculative_tokens) or plain decoding. Each arm's
 throughput is measured on the engine's own decode-only steps (tokens emitted / whole-step seconds, drafting,
-verification and output included), as exponentially weighted sums of tokens and of seconds. The bucket runs
+verification and output included), as the median of its last WINDOW steps: on a shared machine a step now
+and then takes several times its usual time (another process got the core), and a mean would let one such
+step flip the decision for a long while. The bucket runs
 the better arm; every PROBE_EVERY of its steps it runs the other arm for RUN steps, so the comparison follows
 changes in acceptance (a different workload) and in cost (other load on the machine), and the acceptance
 statistics stay fresh. A new bucket first tries both arms for RUN steps each; an arm with no measurement yet counts as slower.
@@ -19,23 +21,23 @@ requests come and go under continuous arrivals).
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
+
+WINDOW = 16
 
 
 @dataclass
 class _Arm:
-    tokens: float = 0.0  # decayed sums
-    seconds: float = 0.0
+    recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # tokens/s of its last steps
     samples: int = 0
+    rate: float = 0.0  # median of `recent` (0 before any step: an unmeasured arm counts as slower)
 
-    def add(self, tokens: int, seconds: float, decay: float) -> None:
-        self.tokens = self.tokens * decay + tokens
-        self.seconds = self.seconds * decay + seconds
+    def add(self, tokens: int, seconds: float) -> None:
+        self.recent.append(tokens / seconds)
         self.samples += 1
-
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        self.rate = statistics.median(self.recent)
 
 
 @dataclass
@@ -52,7 +54,6 @@ class _Bucket:
 class ThroughputGate:
     RUN = 4  # steps per probe run (and per first try)
     PROBE_EVERY = 48  # steps of the winning arm between probe runs of the other
-    DECAY = 0.9  # per measured step of an arm: about the last 10 steps count
 
     def __init__(self, needs_capture: bool):
         self.needs_capture = needs_capture
@@ -107,7 +108,7 @@ class ThroughputGate:
         plain step that captured features for the next."""
         b = self.buckets.get(self.bucket_of(num_seqs))
         if b is not None and seconds > 0:
-            b.arms[speculated].add(tokens, seconds, self.DECAY)
+            b.arms[speculated].add(tokens, seconds)
 
     def observe_verify(self, drafted: int, accepted: int) -> None:
         tried = min(accepted + 1, drafted)
