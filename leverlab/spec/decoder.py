@@ -71,6 +71,8 @@ class SpecDecoder:
             self._set_capture(self._arm or self.gate.capture_next(self._n))
             if not self._arm:
                 return
+        else:
+            self._set_capture(True)  # back on after a stretch above disable_by_batch_size
         seqs, ks = [], []
         for seq in running:
             p = seq.params

@@ -128,6 +128,16 @@ def test_gate_switching_arms_at_random_stays_lossless(target, trained_head, plai
     assert_all_free(llm)
 
 
+def test_disable_by_batch_size_switches_feature_capture_off_and_back_on(target, trained_head):
+    llm = LLM(target, dtype="float32", speculative_config=spec(str(trained_head), disable_by_batch_size=2))
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    before = llm.engine.counter_snapshot()["spec_draft_tokens"]
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert llm.engine.counter_snapshot()["spec_draft_tokens"] > before
+    assert llm.engine.runner.model.aux_layers == llm.engine.runner.aux_layers
+    assert_all_free(llm)
+
+
 def test_blocks_free_through_preemption_chunking_prefix_hits_and_aborts(target, trained_head):
     long_prompts = [list(range(5, 5 + n)) for n in (3, 40, 17, 1, 70, 9)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
