@@ -157,3 +157,21 @@ def test_draft_tensor_parallel_size_other_than_one_is_refused(target):
             EngineConfig(model=target, speculative_config={"method": method, "model": target,
                                                            "draft_tensor_parallel_size": 2})
     EngineConfig(model=target, speculative_config={"method": "ngram", "draft_tensor_parallel_size": 1})
+
+
+def test_reduced_vocabulary_head_adaptive_and_sampled(target, plain, tmp_path):
+    """Adaptive (the gate) stays token-identical; sampling with a draft distribution that lives on the draft
+    vocabulary only (zero elsewhere) runs through the rejection rule, reproducibly for a seed (with fixed K:
+    the gate's choices depend on timing, and a speculating step draws differently from a plain one)."""
+    head = make_speculators_eagle3(target, tmp_path / "head", draft_vocab=64)
+    llm = LLM(target, dtype="float32", speculative_config={"method": "eagle3", "model": head, "adaptive": True})
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == plain
+    assert llm.engine.counter_snapshot()["spec_gate_spec_steps"] > 0
+    assert_all_free(llm)
+    # Without the prefix cache: a cached prompt gives the head less context, so other drafts, other draws.
+    llm = LLM(target, dtype="float32", enable_prefix_caching=False,
+              speculative_config={"method": "eagle3", "model": head})
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
+    a, b = (tokens(llm.generate(PROMPTS, sampled)) for _ in range(2))
+    assert a == b and llm.engine.counter_snapshot()["spec_draft_tokens"] > 0
+    assert_all_free(llm)
