@@ -7,7 +7,9 @@ and then takes several times its usual time (another process got the core), and 
 step flip the decision for a long while. The bucket runs
 the better arm; every PROBE_EVERY of its steps it runs the other arm for RUN steps, so the comparison follows
 changes in acceptance (a different workload) and in cost (other load on the machine), and the acceptance
-statistics stay fresh. A new bucket first tries both arms for RUN steps each; an arm with no measurement yet counts as slower.
+statistics stay fresh. A new bucket first measures both arms RUN times each (for a bounded number of steps); an arm with no
+measurement yet counts as slower. A wrong foretelling (capture_next) costs one step's capture or one
+step's drafts, never a token: those steps are left out of the measurements.
 
 Why it cannot lose much: while the gate is shut a step is a plain step (no drafting, no feature capture, no
 aux output: the decoder switches the runner's capture off), and the losing arm only runs RUN of every
@@ -46,6 +48,7 @@ class _Bucket:
     steps: int = 0  # decisions made in this bucket
     run_arm: bool | None = None  # the arm of the run in progress (probe or first tries)
     run_left: int = 0
+    last_arm: bool | None = None  # the latest decision
 
     def best(self) -> bool:
         return self.arms[True].rate > self.arms[False].rate
@@ -65,12 +68,13 @@ class ThroughputGate:
     def bucket_of(num_seqs: int) -> int:
         return round(math.log2(max(1, num_seqs)))
 
-    def _next_run(self, b: _Bucket, steps: int) -> bool | None:
-        """The arm a run starting at decision number `steps` would take (None: no run, follow the best)."""
-        # A new bucket tries each arm for a run first. By decision count, not samples: capture_next must
-        # foretell the next decision before this step's measurement is in.
-        if steps <= 2 * self.RUN:
-            return steps <= self.RUN
+    def _next_run(self, b: _Bucket, steps: int, pending: bool | None = None) -> bool | None:
+        """The arm a run starting at decision number `steps` would take (None: no run, follow the best).
+        pending: the arm of a step decided but not measured yet (capture_next looks one step ahead)."""
+        if steps <= 16 * self.RUN:  # a new bucket first measures each arm RUN times (steps that prefill
+            for arm in (True, False):  # do not count, hence a bound rather than a fixed schedule)
+                if b.arms[arm].samples + (pending is arm) < self.RUN:
+                    return arm
         return (not b.best()) if steps % (self.PROBE_EVERY + self.RUN) == 0 else None
 
     def decide(self, num_seqs: int) -> bool:
@@ -87,6 +91,7 @@ class ThroughputGate:
             arm = b.run_arm
         else:
             arm = b.best()
+        b.last_arm = arm
         self.steps[arm] += 1
         return arm
 
@@ -99,7 +104,7 @@ class ThroughputGate:
             return True
         if b.run_left > 0:
             return bool(b.run_arm)
-        arm = self._next_run(b, b.steps + 1)
+        arm = self._next_run(b, b.steps + 1, b.last_arm)
         return b.best() if arm is None else arm
 
     def observe_step(self, num_seqs: int, speculated: bool, tokens: int, seconds: float) -> None:
