@@ -175,3 +175,16 @@ def test_reduced_vocabulary_head_adaptive_and_sampled(target, plain, tmp_path):
     a, b = (tokens(llm.generate(PROMPTS, sampled)) for _ in range(2))
     assert a == b and llm.engine.counter_snapshot()["spec_draft_tokens"] > 0
     assert_all_free(llm)
+
+
+def test_train_eagle_export_only_writes_the_speculators_folder(target, tmp_path, capsys):
+    from leverlab.cli import main
+
+    head = make_eagle_head(target, tmp_path / "head")
+    assert main(["train-eagle", "--model", target, "--out", head, "--export-only", "--k", "2"]) == 0
+    cfg = json.loads((tmp_path / "head" / "speculators" / "config.json").read_text())
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
+    loaded = load_head(tmp_path / "head" / "speculators", torch.float32, target_num_layers=4)
+    assert loaded.config.source_format == "speculators" and loaded.lm_head is not None
+    # A 4-layer target's default aux layers (1, 2) reach no higher than vLLM can capture: nothing to note.
+    assert "vLLM cannot run" not in capsys.readouterr().out
