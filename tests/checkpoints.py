@@ -135,7 +135,7 @@ def make_eagle_head(target: str | Path, out: str | Path, seed: int = 1, std: flo
 def make_speculators_eagle3(target: str | Path, out: str | Path, draft_vocab: int | None = 96, seed: int = 2,
                             layer_ids: list[int] | None = None, layer_type: str = "llama",
                             original: bool = False, norm_before_residual: bool | None = True,
-                            std: float = 0.15) -> str:
+                            std: float = 0.15, switches: dict | None = None) -> str:
     """An EAGLE-3 head for `target` with random weights, written the way the `speculators` library (or, with
     `original`, the EAGLE-3 release) writes it: its config keys and tensor names, its own lm_head over a
     reduced draft vocabulary of `draft_vocab` target ids with d2t offsets and the t2d mask. Written here
@@ -176,6 +176,12 @@ def make_speculators_eagle3(target: str | Path, out: str | Path, draft_vocab: in
         "norm.weight": ones(h),
         "lm_head.weight": w(vd, h) * 3,
     }
+    switches = dict(switches or {})  # norm_before_fc / fc_norm / norm_output, with their tensors
+    if switches.get("norm_before_fc"):
+        tensors["input_norm.weight"] = ones(len(ids) * h)
+    if switches.get("fc_norm"):
+        for i in range(len(ids)):
+            tensors[f"fc_norm.{i}.weight"] = ones(h)
     if layer_type == "qwen3":
         tensors[pre + "self_attn.q_norm.weight"] = ones(d)
         tensors[pre + "self_attn.k_norm.weight"] = ones(d)
@@ -204,7 +210,7 @@ def make_speculators_eagle3(target: str | Path, out: str | Path, draft_vocab: in
             "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
             "speculators_version": "0.3.0", "transformer_layer_config": layer, "draft_vocab_size": vd,
             "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": ids, "norm_before_fc": False,
-            "fc_norm": False, "norm_output": False, "embed_requires_grad": False,
+            "fc_norm": False, "norm_output": False, "embed_requires_grad": False, **switches,
             "speculators_config": {
                 "algorithm": "eagle3", "default_proposal_method": "greedy",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1,

@@ -188,3 +188,16 @@ def test_train_eagle_export_only_writes_the_speculators_folder(target, tmp_path,
     assert loaded.config.source_format == "speculators" and loaded.lm_head is not None
     # A 4-layer target's default aux layers (1, 2) reach no higher than vLLM can capture: nothing to note.
     assert "vLLM cannot run" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("switches", [{"norm_before_fc": True, "norm_output": True}, {"fc_norm": True}])
+def test_feature_norm_switches_load_and_stay_lossless(target, plain, tmp_path, switches):
+    head = make_speculators_eagle3(target, tmp_path / "head", switches=switches)
+    llm = LLM(target, dtype="float32", speculative_config={"method": "eagle3", "model": head})
+    h = llm.engine.proposer.head
+    assert (h.input_norm is not None) == bool(switches.get("norm_before_fc"))
+    assert (h.fc_norm is not None) == bool(switches.get("fc_norm"))
+    assert h.config.norm_output == bool(switches.get("norm_output"))
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == plain
+    assert llm.engine.counter_snapshot()["spec_draft_tokens"] > 0
+    assert_all_free(llm)
