@@ -4,12 +4,12 @@ No cost model. Two arms per bucket: speculate (K = num_speculative_tokens) or pl
 throughput is measured on the engine's own decode-only steps (tokens emitted / whole-step seconds, drafting,
 verification and output included), as the median of its last WINDOW steps: on a shared machine a step now
 and then takes several times its usual time (another process got the core), and a mean would let one such
-step flip the decision for a long while. The bucket runs
-the better arm; every PROBE_EVERY of its steps it runs the other arm for RUN steps, so the comparison follows
-changes in acceptance (a different workload) and in cost (other load on the machine), and the acceptance
-statistics stay fresh. A new bucket first measures both arms RUN times each (for a bounded number of steps); an arm with no
-measurement yet counts as slower. A wrong foretelling (capture_next) costs one step's capture or one
-step's drafts, never a token: those steps are left out of the measurements.
+step flip the decision for a long while. The bucket runs the better arm; every PROBE_EVERY of its steps it
+runs the other arm for RUN steps, so the comparison follows changes in acceptance (a different workload) and
+in cost (other load on the machine), and the acceptance statistics stay fresh. A new bucket first measures
+both arms RUN times each (for a bounded number of steps); an arm with no measurement yet counts as slower.
+A wrong foretelling (capture_next) costs one step's capture or one step's drafts, never a token: those
+steps are left out of the measurements.
 
 Why it cannot lose much: while the gate is shut a step is a plain step (no drafting, no feature capture, no
 aux output: the decoder switches the runner's capture off), and the losing arm only runs RUN of every
