@@ -132,7 +132,9 @@ class SpecDecoder:
 
     def observe(self, result) -> None:
         """After the scheduler's update: the proposer takes the features of the positions kept."""
-        if result.aux is not None and self.proposer is not None:
+        # Not on steps that did not mean to capture: in compiled mode the aux output stays on (one graph),
+        # and fusing features nobody will draft from is exactly the cost a shut gate must not pay.
+        if result.aux is not None and self.proposer is not None and self._captured:
             self.proposer.observe(result)
 
     def end_step(self, batch, result, emitted) -> None:
