@@ -49,17 +49,27 @@ class _Bucket:
     run_arm: bool | None = None  # the arm of the run in progress (probe or first tries)
     run_left: int = 0
     last_arm: bool | None = None  # the latest decision
+    spec_streak: int = 0  # speculating decisions in a row, the latest included
 
     def best(self) -> bool:
         return self.arms[True].rate > self.arms[False].rate
 
 
 class ThroughputGate:
-    RUN = 4  # steps per probe run (and per first try)
+    RUN = 4  # measured steps per probe run (and per first try)
     PROBE_EVERY = 48  # steps of the winning arm between probe runs of the other
+    # A head drafting from features (EAGLE) has seen none while the gate was shut: its first drafts after that
+    # gap come from little recent context and are accepted less often than in a steady speculating stretch.
+    # The first WARM speculating steps after plain ones are therefore run but not measured.
+    WARM = 2
 
     def __init__(self, needs_capture: bool):
         self.needs_capture = needs_capture
+        self.warm = self.WARM if needs_capture else 0
+        self.run = self.RUN + self.warm  # steps per speculating run
+        # Decisions between probe starts: longer runs are started less often, so the losing arm keeps
+        # about the same share of steps (RUN / (PROBE_EVERY + RUN), 8%) either way.
+        self.period = (self.PROBE_EVERY + self.RUN) * self.run // self.RUN
         self.buckets: dict[int, _Bucket] = {}
         self.acceptance = 0.5  # running share of drafted tokens accepted (per position tried)
         self.steps = {True: 0, False: 0}  # steps run per arm (exported as counters)
@@ -75,7 +85,7 @@ class ThroughputGate:
             for arm in (True, False):  # do not count, hence a bound rather than a fixed schedule)
                 if b.arms[arm].samples + (pending is arm) < self.RUN:
                     return arm
-        return (not b.best()) if steps % (self.PROBE_EVERY + self.RUN) == 0 else None
+        return (not b.best()) if steps % self.period == 0 else None
 
     def decide(self, num_seqs: int) -> bool:
         """Speculate this step? num_seqs: decoding sequences this step. O(1): a dict lookup and counters."""
@@ -85,13 +95,14 @@ class ThroughputGate:
         b.steps += 1
         if b.run_left <= 0:
             b.run_arm = self._next_run(b, b.steps)
-            b.run_left = self.RUN if b.run_arm is not None else 0
+            b.run_left = 0 if b.run_arm is None else self.run if b.run_arm else self.RUN
         if b.run_arm is not None:
             b.run_left -= 1
             arm = b.run_arm
         else:
             arm = b.best()
         b.last_arm = arm
+        b.spec_streak = b.spec_streak + 1 if arm else 0
         self.steps[arm] += 1
         return arm
 
@@ -112,8 +123,9 @@ class ThroughputGate:
         leaves out steps that do not show an arm as it is: a speculating step that found no drafts, and a
         plain step that captured features for the next."""
         b = self.buckets.get(self.bucket_of(num_seqs))
-        if b is not None and seconds > 0:
-            b.arms[speculated].add(tokens, seconds)
+        if b is None or seconds <= 0 or (speculated and b.spec_streak <= self.warm):
+            return  # (a speculating step right after plain ones: the head is still warming up)
+        b.arms[speculated].add(tokens, seconds)
 
     def observe_verify(self, drafted: int, accepted: int) -> None:
         tried = min(accepted + 1, drafted)
