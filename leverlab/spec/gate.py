@@ -62,6 +62,7 @@ class ThroughputGate:
     # gap come from little recent context and are accepted less often than in a steady speculating stretch.
     # The first WARM speculating steps after plain ones are therefore run but not measured.
     WARM = 2
+    LEAD = 8  # plain steps before a speculating run that capture features for it (EAGLE)
 
     def __init__(self, needs_capture: bool):
         self.needs_capture = needs_capture
@@ -107,16 +108,26 @@ class ThroughputGate:
         return arm
 
     def capture_next(self, num_seqs: int) -> bool:
-        """Will the next step (same bucket) speculate? Then this one must capture features for it."""
+        """Should this step capture features? Yes when one of the next LEAD decisions (same bucket) will
+        speculate: the head then drafts with the last LEAD positions as recent context rather than one."""
         if not self.needs_capture:
             return False
         b = self.buckets.get(self.bucket_of(num_seqs))
         if b is None:
             return True
-        if b.run_left > 0:
-            return bool(b.run_arm)
-        arm = self._next_run(b, b.steps + 1, b.last_arm)
-        return b.best() if arm is None else arm
+        steps, arm, left = b.steps, b.run_arm, b.run_left
+        for j in range(self.LEAD):  # the next decisions, as decide() will take them
+            steps += 1
+            if left <= 0:
+                arm = self._next_run(b, steps, b.last_arm if j == 0 else None)
+                left = 0 if arm is None else self.run if arm else self.RUN
+            if arm is not None:
+                left -= 1
+                if arm:
+                    return True
+            elif b.best():
+                return True
+        return False
 
     def observe_step(self, num_seqs: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A decode-only step's outcome (tokens emitted over all sequences, whole-step seconds). The decoder
