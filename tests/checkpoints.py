@@ -130,3 +130,96 @@ def make_eagle_head(target: str | Path, out: str | Path, seed: int = 1, std: flo
     head = init_head(EagleHead(EagleConfig.for_target(ModelConfig.from_folder(target))), seed=seed, std=std)
     save_head(head, out, dtype="float32")
     return str(out)
+
+
+def make_speculators_eagle3(target: str | Path, out: str | Path, draft_vocab: int | None = 96, seed: int = 2,
+                            layer_ids: list[int] | None = None, layer_type: str = "llama",
+                            original: bool = False, norm_before_residual: bool | None = True,
+                            std: float = 0.15, switches: dict | None = None) -> str:
+    """An EAGLE-3 head for `target` with random weights, written the way the `speculators` library (or, with
+    `original`, the EAGLE-3 release) writes it: its config keys and tensor names, its own lm_head over a
+    reduced draft vocabulary of `draft_vocab` target ids with d2t offsets and the t2d mask. Written here
+    from the format's description, not with our exporter, so that reading it tests our reader."""
+    import torch
+    from safetensors.torch import save_file
+
+    target, out = Path(target), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t = json.loads((target / "config.json").read_text())
+    h, layers, vocab = t["hidden_size"], t["num_hidden_layers"], t["vocab_size"]
+    heads, kv = t["num_attention_heads"], t["num_key_value_heads"]
+    d = t.get("head_dim") or h // heads
+    inter = 96
+    ids = layer_ids if layer_ids is not None else list(range(1, min(layers, 4)))  # vLLM ids: stream entering layer i
+    vd = draft_vocab or vocab
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * std
+
+    def ones(n):
+        return 1.0 + 0.1 * torch.randn(n, generator=g)
+
+    pre = "midlayer." if original else "layers.0."
+    tensors = {
+        "fc.weight": w(h, len(ids) * h),
+        pre + "input_layernorm.weight": ones(h),
+        pre + "hidden_norm.weight": ones(h),
+        pre + "self_attn.q_proj.weight": w(heads * d, 2 * h),
+        pre + "self_attn.k_proj.weight": w(kv * d, 2 * h),
+        pre + "self_attn.v_proj.weight": w(kv * d, 2 * h),
+        pre + "self_attn.o_proj.weight": w(h, heads * d),
+        pre + "post_attention_layernorm.weight": ones(h),
+        pre + "mlp.gate_proj.weight": w(inter, h),
+        pre + "mlp.up_proj.weight": w(inter, h),
+        pre + "mlp.down_proj.weight": w(h, inter),
+        "norm.weight": ones(h),
+        "lm_head.weight": w(vd, h) * 3,
+    }
+    switches = dict(switches or {})  # norm_before_fc / fc_norm / norm_output, with their tensors
+    if switches.get("norm_before_fc"):
+        tensors["input_norm.weight"] = ones(len(ids) * h)
+    if switches.get("fc_norm"):
+        for i in range(len(ids)):
+            tensors[f"fc_norm.{i}.weight"] = ones(h)
+    if layer_type == "qwen3":
+        tensors[pre + "self_attn.q_norm.weight"] = ones(d)
+        tensors[pre + "self_attn.k_norm.weight"] = ones(d)
+    if vd != vocab:
+        # The draft vocabulary: a random set of target ids, in increasing order (as speculators builds it from
+        # token frequencies); d2t holds the offset from each draft id to its target id.
+        targets = torch.sort(torch.randperm(vocab, generator=g)[:vd]).values
+        tensors["d2t"] = targets - torch.arange(vd)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[targets] = True
+        tensors["t2d"] = t2d
+    layer = {"model_type": layer_type, "architectures": ["LlamaForCausalLM"], "hidden_size": h,
+             "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
+             "num_key_value_heads": kv, "head_dim": d, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+             "rope_theta": t.get("rope_theta") or (t.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+             "rope_scaling": None, "max_position_embeddings": t["max_position_embeddings"],
+             "attention_bias": False, "mlp_bias": False, "vocab_size": vocab, "tie_word_embeddings": False}
+    if original:
+        config = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": vd,
+                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
+        if norm_before_residual is not None:
+            config["norm_before_residual"] = norm_before_residual
+        torch.save(tensors, out / "pytorch_model.bin")
+    else:
+        config = {
+            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "speculators_version": "0.3.0", "transformer_layer_config": layer, "draft_vocab_size": vd,
+            "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": ids, "norm_before_fc": False,
+            "fc_norm": False, "norm_output": False, "embed_requires_grad": False, **switches,
+            "speculators_config": {
+                "algorithm": "eagle3", "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1,
+                                      "accept_tolerance": 0.0}],
+                "verifier": {"name_or_path": str(target), "architectures": t["architectures"]}},
+            "torch_dtype": "float32",
+        }
+        if norm_before_residual is not None:
+            config["norm_before_residual"] = norm_before_residual
+        save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return str(out)

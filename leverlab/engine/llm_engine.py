@@ -14,17 +14,15 @@ from leverlab.engine.block_manager import BlockManager
 from leverlab.engine.detokenizer import Detokenizer, find_stop
 from leverlab.engine.model_runner import ModelRunner
 from leverlab.engine.request import Request
-from leverlab.engine.sampler import sample, top_logprobs
+from leverlab.engine.sampler import top_logprobs
 from leverlab.engine.scheduler import Scheduler
 from leverlab.engine.sequence import Sequence
 from leverlab.errors import RequestError
 from leverlab.models.config import ModelConfig
 from leverlab.outputs import RequestMetrics, RequestOutput
 from leverlab.sampling_params import SamplingParams
-from leverlab.spec.adaptive import AdaptiveK
-from leverlab.spec.base import build_proposer
 from leverlab.spec.config import SpeculativeConfig
-from leverlab.spec.verify import verify
+from leverlab.spec.decoder import SpecDecoder
 
 log = logging.getLogger("leverlab")
 
@@ -86,19 +84,9 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._rng = torch.Generator().manual_seed(config.seed)
         self.spec_config = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config else None
-        self.proposer = None
-        self._draft_probs: dict[int, torch.Tensor] = {}  # seq id -> the draft's distribution, when sampled
-        if self.spec_config is not None:
-            self.proposer = build_proposer(self.spec_config, config, self.max_model_len)
-            if hasattr(self.proposer, "check_vocab"):
-                self.proposer.check_vocab(self.model_config.vocab_size)
-            if hasattr(self.proposer, "attach"):  # EAGLE: shares the target's embedding and lm_head
-                self.proposer.attach(self.runner)
-            self.counters.update(spec_draft_tokens=0, spec_accepted_tokens=0, spec_verify_steps=0)
-        self.adaptive = None
-        if self.spec_config is not None and self.spec_config.adaptive:
-            self.adaptive = AdaptiveK(self.spec_config.num_speculative_tokens)
-        self.spec_accepted_per_pos = [0] * (self.spec_config.num_speculative_tokens if self.spec_config else 0)
+        # Proposing, verification, the gate and speculation's counters (spec/decoder.py); samples plain steps too.
+        self.spec = SpecDecoder(self.spec_config, config, self.runner, self.model_config.vocab_size,
+                                self.eos_token_ids, self.max_model_len)
         log.info(
             "model %s (%s, %.1fM params) dtype=%s device=%s mode=%s; KV cache: %d blocks x %d tokens "
             "(%.0f MiB), max_model_len=%d, fits %d sequences of full length",
@@ -183,37 +171,35 @@ class LLMEngine:
         """One engine step. Returns the outputs of the requests it changed (cumulative), or with `final_only`
         those of the requests it finished: a caller that only wants finished requests (LLM.generate) then
         skips building an output per request per token."""
-        t0 = time.perf_counter()
-        if self.proposer is not None:
-            self._propose()
+        self.spec.propose(self.scheduler.running)
+        batch = self._schedule()
+        if not batch.seqs:
+            return []
+        result = self.runner.execute(batch)
+        self._record_prompt_logprobs(result.prompt_logits)
+        emitted, rejected = self.spec.choose_tokens(result)  # sampling, and verification of drafts
+        self.scheduler.update_from_output(batch, rejected, self.window)
+        self.spec.observe(result)  # EAGLE: the features of the positions kept after verification
+        outputs = self._process_outputs(emitted, final_only)
+        self.spec.end_step(batch, result, emitted)
+        return outputs
+
+    def _schedule(self):
         batch = self.scheduler.schedule()
         for seq in batch.preempted:
             self.requests[seq.request_id].metrics.num_preemptions += 1
-            if self.proposer is not None:
-                self.proposer.release(seq)  # the target recomputes it: draft/head KV goes back to the pool
+            self.spec.release(seq)  # the target recomputes it: draft/head KV goes back to the pool
         self.counters["preemptions"] += len(batch.preempted)
-        if not batch.seqs:
-            return []
-        self.counters["steps"] += 1
-        now = time.monotonic()
-        for seq in batch.seqs:
-            m = self.requests[seq.request_id].metrics
-            m.first_scheduled_time = m.first_scheduled_time or now
-        result = self.runner.execute(batch)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-        self._record_prompt_logprobs(result.prompt_logits)
-        emitted = self._choose_tokens(result)
-        if result.aux is not None and self.proposer is not None:
-            self.proposer.observe(result)  # EAGLE: the features of the positions kept after verification
-        if self.adaptive is not None:
-            # The whole step, drafting and verification included: what speculation costs is not only the
-            # target's extra tokens but the proposer's passes and the per-sequence bookkeeping.
-            self.adaptive.observe_step(batch.num_tokens, time.perf_counter() - t0)
-        for seq in batch.seqs:
-            self.blocks.commit_full_blocks(seq)  # after the rollback: only accepted tokens are reusable
-            if self.window:  # every layer slides: blocks behind the window are never read again
-                self.blocks.release_before(seq, seq.num_computed_tokens - self.window + 1)
+        if batch.seqs:
+            self.counters["steps"] += 1
+            now = time.monotonic()
+            for seq in batch.seqs:
+                m = self.requests[seq.request_id].metrics
+                m.first_scheduled_time = m.first_scheduled_time or now
+        return batch
+
+    def _process_outputs(self, emitted, final_only: bool) -> list[RequestOutput]:
+        """Append the emitted tokens (stops, detokenization), then build the outputs and retire finished work."""
         touched: dict[str, Request] = {}
         now = time.monotonic()
         for seq, tokens, rows in emitted:
@@ -241,80 +227,10 @@ class LLMEngine:
                 self.counters["generation_tokens"] += sum(len(s.output_token_ids) for s in req.seqs)
         return outputs
 
-    def _choose_tokens(self, result) -> list[tuple[Sequence, list[int], torch.Tensor]]:
-        """Sample each sequence's next token; verify drafted ones and roll their rejected KV back.
-        Returns (sequence, emitted tokens, the logits rows they came from)."""
-        plain, plain_rows, plain_argmax, out, off = [], [], [], [], 0
-        spans = []
-        for seq, k1 in zip(result.sample_seqs, result.rows_per_seq):
-            spans.append((seq, result.logits[off : off + k1], off))
-            off += k1
-        for seq, rows, row0 in spans:
-            if not seq.spec_token_ids:
-                self._draft_probs.pop(seq.seq_id, None)  # drafts dropped (budget, blocks): nothing to verify
-                plain.append(seq)
-                plain_rows.append(rows)
-                if result.argmax is not None:
-                    plain_argmax.append(result.argmax[row0])
-                continue
-            drafts = seq.spec_token_ids
-            tokens = verify(seq, rows, drafts, self._draft_probs.pop(seq.seq_id, None))
-            accepted = len(tokens) - 1
-            # KV was written for the last token and every draft; only the accepted drafts' entries are valid.
-            seq.num_computed_tokens -= len(drafts) - accepted
-            self.counters["spec_draft_tokens"] += len(drafts)
-            self.counters["spec_accepted_tokens"] += accepted
-            self.counters["spec_verify_steps"] += 1
-            for j in range(accepted):
-                self.spec_accepted_per_pos[j] += 1
-            if self.adaptive is not None:
-                self.adaptive.observe_verify(seq.seq_id, len(drafts), accepted)
-            out.append((seq, tokens, rows))
-        if plain:
-            # One row each: without speculation that is the whole logits tensor, as it came.
-            logits = result.logits if len(plain) == len(result.logits) else torch.cat(plain_rows)
-            tokens = sample(logits, plain, self.eos_token_ids, plain_argmax if result.argmax is not None else None)
-            for seq, tok, rows in zip(plain, tokens, plain_rows):
-                out.append((seq, [tok], rows))
-        return out
-
-    def _propose(self) -> None:
-        """Draft tokens for decoding sequences, unless the batch is too large for speculation to pay."""
-        sc = self.spec_config
-        running = self.scheduler.running
-        if sc.disable_by_batch_size is not None and len(running) > sc.disable_by_batch_size:
-            return
-        seqs, ks = [], []
-        for seq in running:
-            p = seq.params
-            if seq.num_computed_tokens != seq.num_tokens - 1 or len(seq.output_token_ids) < p.min_tokens:
-                continue  # still prefilling, or end tokens are still banned (min_tokens)
-            left = (p.max_tokens if p.max_tokens is not None else self.max_model_len) - len(seq.output_token_ids)
-            k = min(sc.num_speculative_tokens, left - 1, self.max_model_len - seq.num_tokens)
-            if k > 0:
-                seqs.append(seq)
-                ks.append(k)
-        if not seqs:
-            return
-        base = sum(s.num_tokens - s.num_computed_tokens for s in running)
-        if self.adaptive is not None and not self.proposer.cheap:
-            ks = self.adaptive.choose([(s.seq_id, k) for s, k in zip(seqs, ks)], base)  # decide before paying
-        drafts = self.proposer.propose(seqs, ks)
-        if self.adaptive is not None and self.proposer.cheap:
-            ks = self.adaptive.choose([(s.seq_id, len(d.tokens)) for s, d in zip(seqs, drafts)], base)
-        for seq, d, k in zip(seqs, drafts, ks):
-            seq.spec_token_ids = d.tokens[:k]
-            if d.probs is not None:
-                self._draft_probs[seq.seq_id] = d.probs
-
     def _forget(self, req: Request) -> None:
         """A request ended: drop the speculation state kept for its sequences (draft KV blocks too)."""
         for s in req.seqs:
-            if self.adaptive is not None:
-                self.adaptive.forget(s.seq_id)
-            if self.proposer is not None:
-                self.proposer.release(s)
-            self._draft_probs.pop(s.seq_id, None)
+            self.spec.release(s)
 
     def _append(self, req: Request, seq: Sequence, token: int, now: float) -> None:
         seq.output_token_ids.append(token)
@@ -364,9 +280,13 @@ class LLMEngine:
     # ---- introspection -----------------------------------------------------------------------------
     def counter_snapshot(self) -> dict[str, float]:
         """Monotonic totals for /metrics and bench results: the engine's and each lever's."""
-        per_pos = {f"spec_accepted_pos_{j}": v for j, v in enumerate(self.spec_accepted_per_pos)}
         tp = self.tp.counters() if self.tp is not None else {}
-        return {**self.counters, **self.blocks.stats.as_counters(), **per_pos, **tp}
+        return {**self.counters, **self.blocks.stats.as_counters(), **self.spec.counter_snapshot(), **tp}
+
+    @property
+    def proposer(self):
+        """The speculative proposer (None without speculation); tests look at its state."""
+        return self.spec.proposer
 
     @property
     def healthy(self) -> bool:

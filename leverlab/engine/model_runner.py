@@ -63,7 +63,8 @@ class ModelRunner:
         self.model = load_model(model_path, config.dtype, self.device, config.quantization, tp,
                                 config.lm_head_quantization)
         self.model_config = self.model.config
-        self.model.aux_layers = aux_layers_for(config)  # EAGLE's feature layers; () without it
+        self.aux_layers = aux_layers_for(config)  # EAGLE's feature layers; () without it
+        self.model.aux_layers = self.aux_layers
         self.block_size = config.block_size
         # KV heads this rank holds: all of them, or its share under tensor parallelism (parallel_state.py)
         self.num_kv_heads = local_kv_heads(self.model_config.num_heads, self.model_config.num_kv_heads, self.tp.size)
@@ -104,6 +105,16 @@ class ModelRunner:
             if isinstance(hidden, tuple):
                 hidden = hidden[0]
             self.model.compute_logits(hidden[-1:])
+
+    def set_aux_capture(self, on: bool) -> None:
+        """Return EAGLE's aux layers' outputs from the following steps, or not: while speculation is gated
+        off, a step computes and copies nothing for the head. The compiled forward keeps one graph (aux on)."""
+        layers = self.aux_layers if on else ()
+        if not self.aux_layers or self.model.aux_layers == layers or self.config.execution_mode == "compiled":
+            return
+        self.model.aux_layers = layers
+        if self.fused is not None:
+            self.fused.dec.set_aux_layers(list(layers))
 
     def kv_bytes_per_token(self) -> int:
         cfg = self.model_config

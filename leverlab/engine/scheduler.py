@@ -39,6 +39,17 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def update_from_output(self, batch: ScheduledBatch, rejected: dict[int, int], window: int | None) -> None:
+        """The step ran: each sequence computed its scheduled tokens, less the drafts verification rejected
+        (their KV entries are stale and get overwritten). The only writer of num_computed_tokens after
+        admission, as vLLM v1's update_from_output. Then full blocks become reusable prefix-cache entries
+        (accepted tokens only), and with every layer sliding, blocks behind the window are freed."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n - rejected.get(seq.seq_id, 0)
+            self.blocks.commit_full_blocks(seq)
+            if window:
+                self.blocks.release_before(seq, seq.num_computed_tokens - window + 1)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -20,15 +20,30 @@ class Draft:
 
 
 class Proposer(Protocol):
-    # Cheap proposers (no model) draft first and let the adaptive policy cut; costly ones are told K first.
-    cheap: bool
+    """Everything the engine's SpecDecoder calls; no method is optional (no hasattr probing)."""
+
+    # Drafts from the target's features (EAGLE): the runner must return the aux layers' outputs on the steps
+    # before drafting, and observe() receives them.
+    needs_features: bool
+
+    def check_vocab(self, target_vocab: int) -> None:
+        """Refuse (UnsupportedLever) a draft whose token ids cannot be the target's."""
+        ...
+
+    def attach(self, runner) -> None:
+        """Called once with the target's model runner (EAGLE shares its embedding and lm_head)."""
+        ...
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         """Up to ks[i] draft tokens continuing seqs[i] (prompt + output so far)."""
         ...
 
+    def observe(self, result) -> None:
+        """After verification, on steps that captured features: the target's aux rows (StepLogits)."""
+        ...
+
     def release(self, seq: Sequence) -> None:
-        """seq finished or was aborted: drop any state (KV blocks) kept for it."""
+        """seq finished, was aborted or preempted: drop any state (KV blocks) kept for it."""
         ...
 
 
@@ -36,6 +51,7 @@ PROPOSERS = {
     "ngram": "leverlab.spec.ngram:NgramProposer",
     "draft_model": "leverlab.spec.draft_model:DraftModelProposer",
     "eagle": "leverlab.spec.eagle:EagleProposer",
+    "eagle3": "leverlab.spec.eagle:EagleProposer",
 }
 
 

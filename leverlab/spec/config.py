@@ -6,7 +6,9 @@ from dataclasses import dataclass, fields
 
 from leverlab.errors import UnsupportedLever
 
-METHODS = ("ngram", "draft_model", "eagle")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+# Both load any EAGLE head folder we read: ours, `speculators` eagle3, the original EAGLE-3 release.
+EAGLE_METHODS = ("eagle", "eagle3")
 
 
 @dataclass
@@ -18,7 +20,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram: longest suffix to look up
     disable_by_batch_size: int | None = None  # no speculation while more sequences than this are running
     adaptive: bool = False  # choose K per step (0 included) from measured acceptance and batch size
-    draft_tensor_parallel_size: int = 1  # the draft keeps its own degree, never forced to the target's
+    # The draft's (or head's) own parallel degree, never forced to the target's. Only 1 is built: the draft
+    # model and the EAGLE head run in the engine's process; other values are refused, never ignored.
+    draft_tensor_parallel_size: int = 1
 
     @classmethod
     def from_dict(cls, raw: dict) -> SpeculativeConfig:
@@ -34,11 +38,16 @@ class SpeculativeConfig:
         cfg = cls(**{**raw, "method": method})
         if cfg.method not in METHODS:
             raise UnsupportedLever(f"--speculative-config method {cfg.method!r} is not one of {list(METHODS)}")
-        if cfg.method in ("draft_model", "eagle") and not cfg.model:
-            what = "the head folder (leverlab train-eagle)" if cfg.method == "eagle" else "the draft model folder"
+        if cfg.method in ("draft_model", *EAGLE_METHODS) and not cfg.model:
+            what = "the head folder (leverlab train-eagle)" if cfg.method in EAGLE_METHODS else "the draft model folder"
             raise UnsupportedLever(f'speculative method "{cfg.method}" needs "model": {what}')
         if not 1 <= cfg.num_speculative_tokens <= 16:
             raise UnsupportedLever("num_speculative_tokens must be in [1, 16]")
+        if cfg.draft_tensor_parallel_size not in (None, 1):
+            raise UnsupportedLever(
+                f"draft_tensor_parallel_size {cfg.draft_tensor_parallel_size} is not supported: the draft model or "
+                "EAGLE head runs unsharded (degree 1) in the engine's process, whatever the target's "
+                "--tensor-parallel-size; set it to 1 or leave it out")
         if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
             raise UnsupportedLever("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         return cfg

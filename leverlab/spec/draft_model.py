@@ -23,7 +23,7 @@ from leverlab.spec.base import Draft
 
 
 class DraftModelProposer:
-    cheap = False
+    needs_features = False
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
@@ -47,6 +47,12 @@ class DraftModelProposer:
         if self.runner.model_config.vocab_size != target_vocab:
             raise UnsupportedLever(f"draft vocabulary ({self.runner.model_config.vocab_size}) differs from the "
                                    f"target's ({target_vocab}): a draft must share the target's tokenizer")
+
+    def attach(self, runner) -> None:
+        pass  # the draft has its own runner
+
+    def observe(self, result) -> None:
+        pass
 
     def release(self, seq: Sequence) -> None:
         shadow = self.shadows.pop(seq.seq_id, None)

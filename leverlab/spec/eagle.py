@@ -1,10 +1,11 @@
 """EAGLE proposer: a one-layer head drafts from the target's own hidden states (spec/eagle_head.py).
 
 Per target sequence the head keeps a shadow (its own paged KV in its own block pool, parallel degree 1) and
-the fused features of target positions it has not consumed yet. Head row r sits at target position
-start + r, where `start` is the first position whose features the target computed for this sequence: a
-prefix-cache hit skips the target's compute for the cached prompt positions, so the head's context simply
-begins after them (acceptance may dip on such prompts; correctness never depends on the head).
+the fused features of target positions it has not consumed yet. Head rows hold the positions whose features
+the target computed, in order, each rotated at its own position; positions without features leave a gap
+rather than a restart: a prefix-cache hit skips the target's compute for cached prompt positions, and while
+the speculation gate is shut no features are captured at all. The head attends over the rows it has (its
+acceptance may dip after a gap; correctness never depends on the head).
 
 Flow each step:
   observe(result)  after verification: keep the aux rows of positions the target kept (accepted tokens
@@ -13,7 +14,8 @@ Flow each step:
                    with the first draft), then one pass per further draft, feeding the head's own output
                    hidden state as the feature; draft rows are never counted as computed, so the next
                    catch-up overwrites them with rows built from the target's real features.
-Invariant: start + shadow.num_computed_tokens + n_pending == the next target position to receive features.
+Invariant: next_position is the target position after the last feature received (pending or in the KV);
+the pending chunks are in position order, each a run of consecutive positions.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from leverlab.config import default_model_path
 from leverlab.engine.block_manager import BlockManager
 from leverlab.engine.model_runner import pick_device
 from leverlab.engine.sampler import probabilities
@@ -38,17 +41,14 @@ from leverlab.spec.eagle_head import load_head
 @dataclass(eq=False)
 class _State:
     shadow: Sequence  # head KV accounting: block table; num_computed_tokens = head rows with valid KV
-    start: int  # target position of head row 0
+    next_position: int  # the target position after the last feature received
     pending: list[torch.Tensor] = field(default_factory=list)  # fused features [n, H], in position order
+    pending_at: list[int] = field(default_factory=list)  # first target position of each pending chunk
     n_pending: int = 0
-
-    @property
-    def next_position(self) -> int:
-        return self.start + self.shadow.num_computed_tokens + self.n_pending
 
 
 class EagleProposer:
-    cheap = False
+    needs_features = True
 
     def __init__(self, head, path: str, engine_config):
         self.head, self.path, self.engine_config = head, path, engine_config
@@ -62,8 +62,14 @@ class EagleProposer:
 
     @classmethod
     def from_config(cls, spec, engine_config, max_model_len: int) -> EagleProposer:
-        head = load_head(spec.model, DTYPES[engine_config.dtype], pick_device(engine_config.device))
+        from leverlab.models.config import ModelConfig
+
+        layers = ModelConfig.from_folder(engine_config.model or default_model_path()).num_layers
+        head = load_head(spec.model, DTYPES[engine_config.dtype], pick_device(engine_config.device), layers)
         return cls(head, spec.model, engine_config)
+
+    def check_vocab(self, target_vocab: int) -> None:
+        pass  # checked with the rest of the target's shape in attach()
 
     def attach(self, runner) -> None:
         """Share the target's embedding and lm_head; size the head's KV pool like the target's."""
@@ -76,7 +82,8 @@ class EagleProposer:
         if getattr(getattr(runner, "tp", None), "size", 1) > 1:
             # The target's embedding and lm_head are sharded, and using them takes every rank's part in a
             # collective: the head (rank 0 only) reads its own full copy from the checkpoint instead.
-            self.own_weights = _load_embedding_and_lm_head(self.engine_config, self.dtype, self.device)
+            path = self.engine_config.model or default_model_path()
+            self.own_weights = load_embedding_and_lm_head(path, self.dtype, self.device)
         bs = runner.block_size
         # As many tokens as the target's pool, plus headroom for the K - 1 draft rows of each sequence.
         num_blocks = runner.num_blocks + self.engine_config.max_num_seqs
@@ -94,25 +101,25 @@ class EagleProposer:
     def observe(self, result) -> None:
         """After verification: take the aux rows of the positions each sequence kept."""
         picks: list[torch.Tensor] = []
-        owners: list[tuple[_State, int]] = []
+        owners: list[tuple[_State, int, int]] = []
         for seq, first, row0, n in result.aux_spans:
             keep = min(n, seq.num_computed_tokens - first)  # rejected drafts' rows are dropped
             st = self.states.get(seq.seq_id)
-            if st is not None and first > st.next_position:  # a gap: features missing, start over here
-                self.release(seq)
-                st = None
             if st is None:
                 shadow = Sequence(seq.seq_id, seq.request_id, seq.index, [], seq.params, _generator(seq))
                 st = self.states[seq.seq_id] = _State(shadow, first)
-            skip = st.next_position - first  # rows the head already has (never after a release)
+            # Rows the head already has are skipped; after a gap (first > next_position) none are.
+            skip = max(0, st.next_position - first)
             if keep > skip:
                 picks.append(torch.arange(row0 + skip, row0 + keep))
-                owners.append((st, keep - skip))
+                owners.append((st, first + skip, keep - skip))
+                st.next_position = first + keep
         if not picks:
             return
         fused = self.head.fuse(result.aux[torch.cat(picks).to(result.aux.device)].to(self.dtype))  # [N, H]
-        for (st, n), chunk in zip(owners, fused.split([n for _, n in owners])):
+        for (st, p0, n), chunk in zip(owners, fused.split([n for _, _, n in owners])):
             st.pending.append(chunk)
+            st.pending_at.append(p0)
             st.n_pending += n
 
     # ---- drafting ----------------------------------------------------------------------------------
@@ -136,13 +143,14 @@ class EagleProposer:
         ids, positions, feats, spans = [], [], [], []
         for _, seq, st, _ in active:
             done, n = st.shadow.num_computed_tokens, st.n_pending
-            p0 = st.start + done
-            ids += _tokens(seq, p0 + 1, p0 + n + 1)  # the row at position p reads the token at p + 1
-            positions += range(p0, p0 + n)
+            for p0, chunk in zip(st.pending_at, st.pending):
+                m = chunk.shape[0]
+                ids += _tokens(seq, p0 + 1, p0 + m + 1)  # the row at position p reads the token at p + 1
+                positions += range(p0, p0 + m)
             feats += st.pending
             spans.append((st.shadow, done, n))
             st.shadow.num_computed_tokens += n
-            st.pending, st.n_pending = [], 0
+            st.pending, st.pending_at, st.n_pending = [], [], 0
         hidden = self._run(spans, ids, positions, torch.cat(feats))
         last = torch.tensor([sum(n for _, _, n in spans[: j + 1]) - 1 for j in range(len(spans))])
         h = hidden[last.to(hidden.device)]  # [B, H]
@@ -161,8 +169,8 @@ class EagleProposer:
             for _, _, st, _ in active:
                 row = st.shadow.num_computed_tokens + step - 1  # uncounted: the next catch-up overwrites it
                 spans.append((st.shadow, row, 1))
-                positions.append(st.start + row)
-            h = self._run(spans, [toks[j] for j in keep], positions, h)
+                positions.append(st.next_position + step - 1)  # the draft's own position
+            h = self._run(spans, [toks[j] for j in keep], positions, self.head.feedback(h))
         for i, qs in probs.items():
             drafts[i].probs = torch.stack(qs)
         return drafts
@@ -206,24 +214,34 @@ class EagleProposer:
 
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.head.embed_tokens is not None:  # a head with its own table (EAGLE-3 checkpoints may bring one)
+            return self.head.embed_tokens(ids)
         if self.own_weights is not None:
             return F.embedding(ids, self.own_weights[0])
         return self.target.model.embed_tokens(ids)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, H] (normed) -> float32 logits [B, V] over the TARGET's vocabulary."""
+        head = self.head
+        if head.lm_head is not None:
+            # The head's own output head over its draft vocabulary [B, Vd], put back at the target ids; ids the
+            # draft cannot say get -inf (probability 0), so greedy picks and sampled q live on target ids.
+            small = head.lm_head(hidden).float()
+            full = small.new_full((small.shape[0], head.config.vocab_size), float("-inf"))
+            full[:, head.draft_to_target] = small
+            return full
         if self.own_weights is not None:
             return F.linear(hidden, self.own_weights[1]).float()
         return self.target.compute_logits(hidden)
 
 
-def _load_embedding_and_lm_head(engine_config, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+def load_embedding_and_lm_head(path, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's full embedding table and output head [V, H] from its checkpoint (tied: one tensor)."""
     from safetensors import safe_open
 
-    from leverlab.config import default_model_path
     from leverlab.models.loader import checkpoint_files
 
-    path = Path(engine_config.model or default_model_path())
+    path = Path(path)
     found: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:

@@ -9,8 +9,15 @@ residual stream starts from the feature. Its output h_i (before the final norm) 
 TARGET's lm_head after `norm`, and is fed back as the feature of row i+1 when drafting further ahead
 (the target's real feature for that position does not exist yet).
 
-The folder holds config.json (the target's shape, the aux layer ids, the layer's shape) and model.safetensors
-with only the head's weights. Shapes: T rows, H = hidden size, A = len(aux_layer_ids), D = head_dim.
+Our folder holds config.json (the target's shape, the aux layer ids, the layer's shape) and model.safetensors
+with only the head's weights. Heads in the formats the rest of the world writes (the `speculators` format and
+the original EAGLE-3 release, spec/eagle3_format.py) load into this same module; they may bring their own
+lm_head over a reduced draft vocabulary (with the map back to target ids), their own embedding, and a few
+norm switches, all off for our own heads. Shapes: T rows, H = hidden size, A = len(aux_layer_ids),
+D = head_dim, Vd = draft vocabulary.
+
+Aux layer ids here mean "the output of decoder layer i" (CausalLM.aux_layers). vLLM and `speculators` count
+"the residual stream entering layer i", one more: the formats module converts at the boundary.
 """
 
 from __future__ import annotations
@@ -35,17 +42,22 @@ ARCHITECTURE = "LeverLabEagleHead"
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """A low, a middle and the top decoder layer (deduplicated for very shallow models). EAGLE-3 takes
-    (2, L/2, L-3); we keep the top layer: on a small target its output carries most of the next-token
-    information and the head has little capacity to rebuild what the last layers add."""
-    return tuple(sorted({1 if num_layers > 3 else 0, num_layers // 2, num_layers - 1}))
+    """A low, the middle and the second-highest decoder layer's outputs (deduplicated for very shallow models).
+    EAGLE-3 takes (2, L/2, L-3) in vLLM's count, i.e. outputs (1, L/2-1, L-4). We go as high as vLLM can
+    capture: on a small target the top layers carry most of the next-token information and the head has little
+    capacity to rebuild them, but vLLM only sees the stream entering layers 0..L-1, so the top layer's own
+    output (our first heads used it) cannot be exported for vLLM (spec/eagle3_format.py)."""
+    if num_layers <= 3:
+        return tuple(range(num_layers))
+    return tuple(sorted({1, num_layers // 2, num_layers - 2}))
 
 
 @dataclass
 class EagleConfig:
-    # The target it was trained for: checked at load, since features and the shared lm_head must fit.
-    target_architecture: str
-    target_num_layers: int
+    # The target it was trained for: checked at load, since features and the shared lm_head must fit
+    # (None for heads from other formats, which do not record them).
+    target_architecture: str | None
+    target_num_layers: int | None
     vocab_size: int
     aux_layer_ids: tuple[int, ...]
     # The head's own layer (by default the target's layer shape).
@@ -60,6 +72,16 @@ class EagleConfig:
     max_position_embeddings: int
     qk_norm: bool
     dtype: str = "bfloat16"  # of the stored weights
+    # Heads from other formats (spec/eagle3_format.py); the defaults are our own heads' choices.
+    target_hidden_size: int | None = None  # the target's hidden size when it differs from the head's
+    draft_vocab_size: int | None = None  # the head's own lm_head [Vd, H] and a draft->target id map; None: shared
+    own_embedding: bool = False  # the head's own embedding table instead of the target's
+    attention_bias: bool = False
+    norm_before_residual: bool = False  # the residual starts from the normed feature
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated aux features before fc
+    fc_norm: bool = False  # one RMSNorm per aux feature before fc
+    norm_output: bool = False  # feed back the normed hidden state when drafting further ahead
+    source_format: str = "leverlab"  # leverlab | speculators | eagle3 (where the weights came from)
 
     @classmethod
     def for_target(cls, target: ModelConfig, aux_layer_ids: tuple[int, ...] | None = None) -> EagleConfig:
@@ -89,12 +111,29 @@ class EagleConfig:
         return {"architectures": [ARCHITECTURE], "model_type": "leverlab-eagle", **asdict(self),
                 "aux_layer_ids": list(self.aux_layer_ids)}
 
+    @property
+    def feature_size(self) -> int:
+        """The target hidden size the features (aux layer outputs) have."""
+        return self.target_hidden_size or self.hidden_size
+
     def check_target(self, target: ModelConfig, path: str) -> None:
-        got = (target.architecture, target.num_layers, target.hidden_size, target.vocab_size)
-        want = (self.target_architecture, self.target_num_layers, self.hidden_size, self.vocab_size)
-        if got != want:
-            raise UnsupportedLever(f"EAGLE head {path} was trained for a target with (architecture, layers, hidden, "
-                                   f"vocab) = {want}; this target has {got}")
+        if self.target_architecture is not None:
+            got = (target.architecture, target.num_layers, target.hidden_size, target.vocab_size)
+            want = (self.target_architecture, self.target_num_layers, self.hidden_size, self.vocab_size)
+            if got != want:
+                raise UnsupportedLever(f"EAGLE head {path} was trained for a target with (architecture, layers, "
+                                       f"hidden, vocab) = {want}; this target has {got}")
+        if (target.hidden_size, target.vocab_size) != (self.feature_size, self.vocab_size):
+            raise UnsupportedLever(f"EAGLE head {path} reads features of size {self.feature_size} over a vocabulary "
+                                   f"of {self.vocab_size}; this target has hidden size {target.hidden_size} and "
+                                   f"vocabulary {target.vocab_size}")
+        if self.hidden_size != target.hidden_size and not self.own_embedding:
+            raise UnsupportedLever(f"EAGLE head {path} (hidden {self.hidden_size}) differs from the target "
+                                   f"({target.hidden_size}) and brings no embedding of its own")
+        bad = [i for i in self.aux_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            raise UnsupportedLever(f"EAGLE head {path} reads target layers {list(self.aux_layer_ids)} (outputs); "
+                                   f"this target has {target.num_layers} layers")
 
 
 class MLP(nn.Module):
@@ -117,22 +156,38 @@ class EagleHead(nn.Module):
         self.config = cfg
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.fc = Linear(len(cfg.aux_layer_ids) * h, h)
+        a, f = len(cfg.aux_layer_ids), cfg.feature_size
+        self.input_norm = RMSNorm(a * f, eps) if cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(f, eps) for _ in range(a)) if cfg.fc_norm else None
+        self.fc = Linear(a * f, h)
         self.embed_norm = RMSNorm(h, eps)
         self.feature_norm = RMSNorm(h, eps)
         rows, shards = packed({"q": self.nh * self.hd, "k": self.nkv * self.hd, "v": self.nkv * self.hd})
-        self.qkv_proj = Linear(2 * h, rows, shards=shards)
+        self.qkv_proj = Linear(2 * h, rows, bias=cfg.attention_bias, shards=shards)
         self.q_norm = RMSNorm(self.hd, eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, eps) if cfg.qk_norm else None
-        self.o_proj = Linear(self.nh * self.hd, h)
+        self.o_proj = Linear(self.nh * self.hd, h, bias=cfg.attention_bias)
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = MLP(h, cfg.intermediate_size)
         self.norm = RMSNorm(h, eps)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h) if cfg.own_embedding else None
+        self.lm_head = Linear(h, cfg.draft_vocab_size) if cfg.draft_vocab_size else None
+        if cfg.draft_vocab_size:
+            # [Vd] the target id of each draft id (the checkpoint's d2t holds offsets: target = draft + d2t)
+            self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size, dtype=torch.int64))
         self.rotary = Rotary(self.hd, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.scale = self.hd**-0.5
 
-    def fuse(self, aux: torch.Tensor) -> torch.Tensor:  # [T, A*H] target aux outputs -> [T, H] feature
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:  # [T, A*F] target aux outputs -> [T, H] feature
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:
+            aux = torch.cat([n(c) for n, c in zip(self.fc_norm, aux.chunk(len(self.fc_norm), dim=-1))], dim=-1)
         return self.fc(aux)
+
+    def feedback(self, h: torch.Tensor) -> torch.Tensor:
+        """The feature of the next draft row, from this row's output h [T, H]."""
+        return self.norm(h) if self.config.norm_output else h
 
     def project(self, positions, embeds, features):
         """positions [T], embeds [T, H], features [T, H] -> q [T, nh, D], k and v [T, nkv, D] (rotated)."""
@@ -147,7 +202,8 @@ class EagleHead(nn.Module):
 
     def finish(self, features, attn):
         """features [T, H] (the residual), attn [T, nh, D] -> the head's hidden state h [T, H] (pre-norm)."""
-        x = features + self.o_proj(attn.reshape(attn.shape[0], self.nh * self.hd))
+        residual = self.feature_norm(features) if self.config.norm_before_residual else features
+        x = residual + self.o_proj(attn.reshape(attn.shape[0], self.nh * self.hd))
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, positions, embeds, features):
@@ -161,7 +217,9 @@ def init_head(head: EagleHead, seed: int = 0, std: float = 0.02) -> EagleHead:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in head.named_parameters():
-            if p.ndim >= 2:
+            if p.ndim >= 2 and "embed" in name:
+                p.normal_(0.0, 1.0, generator=g)
+            elif p.ndim >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
             elif name.endswith("bias"):
                 p.zero_()
@@ -181,17 +239,37 @@ def save_head(head: EagleHead, path: str | Path, dtype: str = "bfloat16") -> Non
     (path / "config.json").write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
 
 
-def load_head(path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> EagleHead:
+def build_head(cfg: EagleConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, path) -> EagleHead:
+    """The head from its config and a state dict in our names (spec/eagle3_format.py converts theirs)."""
     from leverlab.models.loader import _default_dtype
 
-    cfg = EagleConfig.from_folder(path)
     with _default_dtype(dtype):  # parameters in the engine's dtype; rotary tables stay float32
         head = EagleHead(cfg)
-    state = load_file(str(Path(path) / "model.safetensors"))
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise UnsupportedLever(f"EAGLE head {path}: missing weights {missing[:3]}, unexpected {unexpected[:3]}")
-    return head.to(device=device).eval()
+    return head
+
+
+def load_head(path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu",
+              target_num_layers: int | None = None) -> EagleHead:
+    """Any supported head folder: ours, `speculators` (eagle3) or the original EAGLE-3 release.
+    target_num_layers: for heads that do not name their aux layers (EAGLE-3's default depends on it)."""
+    from leverlab.spec.eagle3_format import detect_format, read_foreign
+
+    if detect_format(path) != "leverlab":
+        cfg, state = read_foreign(path, target_num_layers)
+    else:
+        cfg, state = EagleConfig.from_folder(path), load_file(str(Path(path) / "model.safetensors"))
+    return build_head(cfg, state, dtype, path).to(device=device).eval()
+
+
+def head_config(path: str | Path, target_num_layers: int | None = None) -> EagleConfig:
+    from leverlab.spec.eagle3_format import detect_format, read_foreign_config
+
+    if detect_format(path) != "leverlab":
+        return read_foreign_config(path, target_num_layers)
+    return EagleConfig.from_folder(path)
 
 
 def aux_layers_for(engine_config) -> tuple[int, ...]:
@@ -200,9 +278,11 @@ def aux_layers_for(engine_config) -> tuple[int, ...]:
     raw = engine_config.speculative_config
     if not raw:
         return ()
-    from leverlab.spec.config import SpeculativeConfig
+    from leverlab.config import default_model_path
+    from leverlab.spec.config import EAGLE_METHODS, SpeculativeConfig
 
     spec = SpeculativeConfig.from_dict(raw)
-    if spec.method != "eagle":
+    if spec.method not in EAGLE_METHODS:
         return ()
-    return EagleConfig.from_folder(spec.model).aux_layer_ids
+    target = ModelConfig.from_folder(engine_config.model or default_model_path())
+    return head_config(spec.model, target.num_layers).aux_layer_ids

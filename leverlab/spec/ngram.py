@@ -12,7 +12,7 @@ from leverlab.spec.base import Draft
 
 
 class NgramProposer:
-    cheap = True
+    needs_features = False
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
@@ -23,6 +23,15 @@ class NgramProposer:
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         return [Draft(self.lookup(s.prompt_token_ids + s.output_token_ids, k)) for s, k in zip(seqs, ks)]
+
+    def check_vocab(self, target_vocab: int) -> None:
+        pass  # drafts are the sequence's own tokens
+
+    def attach(self, runner) -> None:
+        pass
+
+    def observe(self, result) -> None:
+        pass
 
     def release(self, seq: Sequence) -> None:
         pass

@@ -277,7 +277,7 @@ def check_separate_draft(a: dict[str, Any]) -> dict[str, str]:
     draft = next(
         (c for c in a["configs"] if (c["levers"].speculative or {}).get("method") == "draft_model"), None
     )
-    eagle = next((c for c in a["configs"] if (c["levers"].speculative or {}).get("method") == "eagle"), None)
+    eagle = next((c for c in a["configs"] if (c["levers"].speculative or {}).get("method") in ("eagle", "eagle3")), None)
     if draft is None and eagle is None:
         return _f("3b", title, NOT_TESTED, "", "the plan has no draft-model or EAGLE step")
     ran = [c for c in (draft, eagle) if c is not None and c["status"] == "done"]

@@ -5,6 +5,8 @@ Stages, all resumable from --work-dir (rerun the same command to continue):
   2. train     the head (leverlab/train/eagle_ttt.py loss) in the shared time-budgeted loop (trainer.py),
                checkpointing ckpt.pt every few minutes; the head folder is rewritten at each checkpoint
   3. card      acceptance and single-stream speed on held-out prompts through the engine; README.md
+  4. export    the head in the `speculators` format under <out>/speculators (what vLLM loads as eagle3);
+               `--export-only` re-exports an existing head without training
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=3, help="drafts per step for the card's figures")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--speculators-out", type=Path, default=None,
+                   help="where to write the speculators-format export (default <out>/speculators)")
+    p.add_argument("--export-only", action="store_true",
+                   help="only export the existing head folder --out to the speculators format, then stop")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
         args.out = MODELS_DIR / "leverlab-code-eagle"
     out = args.out.resolve()
+    if args.export_only:
+        return _export(out, target, args)
     work = (args.work_dir or REPO_ROOT / ".cache" / "train" / f"eagle-{out.name}").resolve()
     work.mkdir(parents=True, exist_ok=True)
     if not args.resume:
@@ -181,6 +189,26 @@ def run(args: argparse.Namespace) -> int:
     }
     write_card(out, info)
     print(f"model card: {out / 'README.md'}", flush=True)
+    return _export(out, target, args)
+
+
+def _export(out: Path, target: str, args: argparse.Namespace) -> int:
+    """The head in the speculators format (vLLM: --speculative-config '{"method": "eagle3", "model": DIR}')."""
+    import torch
+
+    from leverlab.models.config import ModelConfig
+    from leverlab.spec.eagle3_format import export_speculators, vllm_problems
+    from leverlab.spec.eagle_head import load_head
+
+    if not (out / "config.json").is_file():
+        print(f"train-eagle: no head in {out} to export", file=sys.stderr)
+        return 2
+    head = load_head(out, torch.float32)
+    dest = export_speculators(head, args.speculators_out or out / "speculators", target, args.k,
+                              dtype=head.config.dtype)
+    print(f"speculators export: {dest}", flush=True)
+    for why in vllm_problems(head.config, ModelConfig.from_folder(target).num_layers):
+        print(f"note: vLLM cannot run this export as it is: {why}", flush=True)
     return 0
 
 

@@ -77,6 +77,8 @@ def test_train_eagle_writes_a_loadable_head_folder(trained_head, target):
     assert "acceptance" in card and "leverlab train-eagle" in card
     figures = json.loads((trained_head / "eval.json").read_text())["measured"]
     assert 0 <= figures["acceptance"] <= 1 and len(figures["per_position"]) == 3
+    spec = json.loads((trained_head / "speculators" / "config.json").read_text())  # the export for vLLM
+    assert spec["speculators_model_type"] == "eagle3" and spec["eagle_aux_hidden_state_layer_ids"] == [1, 2]
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -106,6 +108,33 @@ def test_greedy_identical_with_a_trained_head(target, trained_head, plain):
 def test_adaptive_k_with_eagle_is_lossless(target, trained_head, plain):
     llm = LLM(target, dtype="float32", speculative_config=spec(str(trained_head), adaptive=True))
     assert tokens(llm.generate(PROMPTS, GREEDY)) == tokens(plain)
+    assert_all_free(llm)
+
+
+def test_gate_switching_arms_at_random_stays_lossless(target, trained_head, plain):
+    """The gate opening and shutting at random: the head sees features with gaps (no capture while shut)
+    and keeps drafting over the rows it has; output stays the target's, blocks all free."""
+    import random
+
+    llm = LLM(target, dtype="float32", speculative_config=spec(str(trained_head), adaptive=True))
+    rng = random.Random(5)
+    gate = llm.engine.spec.gate
+    gate.decide = lambda n: rng.random() < 0.5
+    gate.capture_next = lambda n: rng.random() < 0.5
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == tokens(plain)
+    c = llm.engine.counter_snapshot()
+    assert c["spec_gate_spec_steps"] > 0 and c["spec_gate_plain_steps"] > 0
+    assert 0 < c["spec_accepted_tokens"] < c["spec_draft_tokens"]
+    assert_all_free(llm)
+
+
+def test_disable_by_batch_size_switches_feature_capture_off_and_back_on(target, trained_head):
+    llm = LLM(target, dtype="float32", speculative_config=spec(str(trained_head), disable_by_batch_size=2))
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    before = llm.engine.counter_snapshot()["spec_draft_tokens"]
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert llm.engine.counter_snapshot()["spec_draft_tokens"] > before
+    assert llm.engine.runner.model.aux_layers == llm.engine.runner.aux_layers
     assert_all_free(llm)
 
 
@@ -190,7 +219,7 @@ def test_compiled_forward_with_eagle(target, trained_head, plain, tmp_path, monk
 
 def test_own_embedding_and_lm_head_copy_matches_the_shared_ones(checkpoint_factory, tmp_path):
     """At tensor-parallel size > 1 the head reads its own full copy (the target's are sharded)."""
-    from leverlab.spec.eagle import _load_embedding_and_lm_head
+    from leverlab.spec.eagle import load_embedding_and_lm_head
 
     for arch in ("qwen3", "llama"):  # tied and untied output heads
         path = checkpoint_factory(arch)
@@ -198,5 +227,5 @@ def test_own_embedding_and_lm_head_copy_matches_the_shared_ones(checkpoint_facto
         p = llm.engine.proposer
         ids, h = torch.tensor([1, 5, 9]), torch.randn(2, p.head.config.hidden_size)
         shared = p._embed(ids), p._logits(h)
-        p.own_weights = _load_embedding_and_lm_head(llm.engine.config, p.dtype, p.device)
+        p.own_weights = load_embedding_and_lm_head(path, p.dtype, p.device)
         assert torch.equal(shared[0], p._embed(ids)) and torch.allclose(shared[1], p._logits(h))

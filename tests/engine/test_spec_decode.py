@@ -2,6 +2,7 @@
 follows the target distribution; KV blocks all free afterwards."""
 
 import collections
+import random
 
 import pytest
 import torch
@@ -121,17 +122,60 @@ def test_adaptive_is_lossless_too(path):
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
 
 
-def test_adaptive_k_follows_acceptance_and_cost():
-    from leverlab.spec.adaptive import AdaptiveK
+def test_gate_runs_the_faster_arm_per_batch_size_and_keeps_probing():
+    from leverlab.spec.gate import ThroughputGate
 
-    a = AdaptiveK(k_max=4, prior_acceptance=0.9)
-    for t in (1, 2, 4, 8):  # cheap extra tokens: one weight pass dominates
-        a.observe_step(t, 0.050 + 0.001 * t)
-    assert a.choose([(1, 4)], base_tokens=1) == [4]
-    b = AdaptiveK(k_max=4, prior_acceptance=0.2)
-    for t in (1, 2, 4, 8, 16):  # compute-bound: every extra token costs as much as the weight pass
-        b.observe_step(t, 0.010 + 0.010 * t)
-    assert b.choose([(i, 4) for i in range(16)], base_tokens=16) == [0] * 16
-    # After PROBE_EVERY steps without speculation, one sequence probes with K = 1 to refresh acceptance.
-    picks = [b.choose([(i, 4) for i in range(16)], base_tokens=16) for _ in range(b.PROBE_EVERY)]
-    assert sum(map(sum, picks)) == 1
+    g = ThroughputGate(needs_capture=True)
+    # Alone, speculating emits 2.5 tokens per 1.2 plain-step times; at 16 sequences it emits 20 per 1.6.
+    speed = {1: {True: 2.5 / 1.2, False: 1.0}, 16: {True: 20 / 1.6, False: 16.0}}
+    picks = {1: [], 16: []}
+    rng = random.Random(0)
+    for _ in range(600):
+        for n in (1, 16):
+            arm = g.decide(n)
+            picks[n].append(arm)
+            # One step in 20 takes 5x as long (another process had the core): the decision must not follow it.
+            g.observe_step(n, arm, tokens=round(speed[n][arm] * 100), seconds=5.0 if rng.random() < 0.05 else 1.0)
+    late = {n: picks[n][100:] for n in picks}
+    assert sum(late[1]) / len(late[1]) > 0.9  # mostly speculating where it pays
+    assert sum(late[16]) / len(late[16]) < 0.1  # mostly plain where it does not
+    assert any(late[16]), "the losing arm is still probed now and then (acceptance stays fresh)"
+    rates = g.rates()
+    assert rates[0][0] > rates[0][1] and rates[4][0] < rates[4][1]
+    # capture_next (asked after this step's decision) looks ahead: the LEAD steps before a speculating run
+    # capture features for it (EAGLE), and the other plain steps do not.
+    g2 = ThroughputGate(needs_capture=True)
+    arms, captures = [], []
+    for _ in range(400):
+        arm = g2.decide(16)
+        arms.append(arm)
+        captures.append(g2.capture_next(16))
+        g2.observe_step(16, arm, tokens=round(speed[16][arm] * 100), seconds=1.0)
+    for i in range(len(arms) - 1):
+        if arms[i + 1]:
+            assert captures[i], i  # the step before a speculating one captured
+    assert 0 < sum(captures[100:]) <= 0.25 * len(captures[100:])  # mostly shut at 16: captures are rare
+    assert ThroughputGate(needs_capture=False).capture_next(4) is False
+
+
+def test_shut_gate_costs_what_a_plain_step_costs(checkpoint_factory, tmp_path):
+    """Gate held shut: no drafts, no aux output from the runner, no features handed to the head."""
+    from tests.checkpoints import make_eagle_head
+
+    path = checkpoint_factory("qwen3")
+    head = make_eagle_head(path, tmp_path / "head")
+    llm = LLM(path, dtype="float32", speculative_config={"method": "eagle", "model": head, "adaptive": True})
+    eng = llm.engine
+    gate, prop = eng.spec.gate, eng.proposer
+    gate.decide = lambda n: False
+    gate.capture_next = lambda n: False
+    seen = []
+    inner = prop.observe
+    prop.observe = lambda result: (seen.append(result), inner(result))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params)
+    plain = LLM(path, dtype="float32").generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    c = eng.counter_snapshot()
+    assert c["spec_draft_tokens"] == 0 and c["spec_gate_plain_steps"] > 0 and c["spec_gate_spec_steps"] == 0
+    assert eng.runner.model.aux_layers == () and not seen

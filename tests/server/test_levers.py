@@ -61,3 +61,37 @@ def test_eagle_through_the_server(start_server, server, checkpoint, tmp_path):
     m = spec.wait_idle()
     assert m["leverlab_engine_spec_draft_tokens_total"] > 0 and m["leverlab_kv_blocks_used"] == 0
     spec.stop()
+
+
+def test_adaptive_eagle3_head_through_the_server_under_arrivals(start_server, server, checkpoint, tmp_path):
+    """A speculators-format EAGLE-3 head (reduced draft vocabulary) behind the gate, requests arriving while
+    others decode: the same text as the plain server, the gate's counters on /metrics, no block left used."""
+    import threading
+    import time
+
+    from tests.checkpoints import make_speculators_eagle3
+
+    head = make_speculators_eagle3(checkpoint, tmp_path / "head", draft_vocab=80)
+    spec = start_server("--speculative-config", json.dumps({"method": "eagle3", "model": head, "adaptive": True}))
+    prompts = [[5, 6, 7, 8] * 5, list(range(30, 50)), [9, 10] * 6, [3] * 7, list(range(60, 75))]
+    texts: dict[str, dict[int, str]] = {"plain": {}, "spec": {}}
+    for name, srv in (("plain", server), ("spec", spec)):
+        client = OpenAI(base_url=srv.url + "/v1", api_key="x")
+        model = client.models.list().data[0].id
+
+        def one(i, client=client, model=model, name=name):
+            r = client.completions.create(model=model, prompt=prompts[i], max_tokens=24, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            texts[name][i] = r.choices[0].text
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)  # staggered arrivals: later requests prefill while earlier ones decode
+        for t in threads:
+            t.join()
+    assert texts["plain"] == texts["spec"]
+    m = spec.wait_idle()
+    assert m["leverlab_engine_spec_gate_spec_steps_total"] + m["leverlab_engine_spec_gate_plain_steps_total"] > 0
+    assert m["leverlab_kv_blocks_used"] == 0
+    spec.stop()

@@ -90,3 +90,25 @@ def test_llamacpp_not_installed_is_reported():
     e = get_engine("llamacpp")
     e.binary, e.module = None, False
     assert e.installed().startswith("not installed")
+
+
+def test_vllm_gets_our_eagle_head_as_its_speculators_export(checkpoint_factory, tmp_path):
+    from leverlab.models.config import ModelConfig
+    from leverlab.spec.eagle_head import EagleConfig, EagleHead, init_head, save_head
+
+    target = checkpoint_factory("qwen3", num_hidden_layers=4)
+    tcfg = ModelConfig.from_folder(target)
+    e = get_engine("vllm")
+    for aux, ok in (((0, 1, 2), True), ((1, 2, 3), False)):  # 3: the top layer's output, which vLLM cannot take
+        head = tmp_path / f"head{aux[-1]}"
+        save_head(init_head(EagleHead(EagleConfig.for_target(tcfg, aux))), head, dtype="float32")
+        lv = Levers(speculative={"method": "eagle", "model": str(head), "num_speculative_tokens": 3})
+        gaps = e.unsupported(lv)
+        if not ok:
+            assert "top layer" in gaps["speculation"]
+            continue
+        assert not gaps
+        spec = json.loads(_flag(e.command(target, lv, 9), "--speculative-config"))
+        assert spec["method"] == "eagle3" and spec["model"] == str(head / "speculators")
+        cfg = json.loads((head / "speculators" / "config.json").read_text())
+        assert cfg["speculators_model_type"] == "eagle3" and cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]

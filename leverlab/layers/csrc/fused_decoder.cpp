@@ -190,6 +190,9 @@ class FusedDecoder {
     return out;
   }
 
+  // EAGLE's feature capture on or off between steps (off while speculation is gated off: nothing copied).
+  void set_aux_layers(std::vector<int64_t> aux_layers) { aux_layers_ = std::move(aux_layers); }
+
  private:
   template <typename T>
   std::vector<at::Tensor> run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slots,
@@ -285,6 +288,7 @@ void bind_fused_decoder(pybind11::module& m) {
       .def("set_head", &FusedDecoder::set_head, "kind, weight, scale or None: the output head for step()")
       .def("set_kv_scales", &FusedDecoder::set_kv_scales, "per layer [2, num_blocks, block_size, NKV] float32: "
            "the caches are int8 (--kv-cache-dtype int8)")
+      .def("set_aux_layers", &FusedDecoder::set_aux_layers, "layer indices whose outputs the next steps return")
       .def("step", &FusedDecoder::step, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "ids, positions, slots, block tables, seq_lens, query_start_loc, rows (lists) -> (hidden, aux or None, "
            "float32 logits of rows, their argmax)")

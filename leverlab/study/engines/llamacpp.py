@@ -59,7 +59,7 @@ class LlamaCppEngine(Engine):
             )
         spec = levers.speculative or {}
         method = spec.get("method")
-        if method == "eagle":
+        if method in ("eagle", "eagle3"):
             gaps["speculation"] = "llama.cpp has no EAGLE heads"
         elif method == "ngram" and self.binary:
             gaps["speculation"] = "llama-server has no prompt-lookup speculation (llama_cpp.server has)"

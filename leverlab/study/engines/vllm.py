@@ -1,5 +1,8 @@
 """vLLM (`vllm serve`), on GPU machines: the reference study's engine, with the same flag names as ours.
 
+Speculation: an EAGLE head in our own format is handed over as its `speculators` export (method "eagle3",
+spec/eagle3_format.py); a published speculators head passes as it is.
+
 Precision: vLLM quantizes to fp8 on the fly (`--quantization fp8`); int8 is mapped to fp8 (the reference
 study's 8-bit step) and said so; int4 needs a pre-quantized AWQ/GPTQ checkpoint (--vllm-checkpoint int4=DIR),
 as the reference used Qwen/Qwen3-8B-AWQ.
@@ -14,6 +17,26 @@ from leverlab.study.engines.base import Engine
 from leverlab.study.plan import Levers
 
 ON_THE_FLY = {"int8": "fp8", "fp8": "fp8"}
+
+
+def _eagle_problem(head: str) -> str | None:
+    """Why vLLM could not run this EAGLE head (None: it can, or the folder is not here to judge)."""
+    from leverlab.errors import UnsupportedLever
+    from leverlab.spec.eagle3_format import detect_format, vllm_problems
+    from leverlab.spec.eagle_head import EagleConfig
+    from leverlab.study.engines.leverlab import resolve
+
+    path = resolve(head)
+    if path is None:
+        return None
+    try:
+        if detect_format(path) != "leverlab":
+            return None
+        cfg = EagleConfig.from_folder(path)
+    except UnsupportedLever as e:
+        return str(e)
+    problems = vllm_problems(cfg, cfg.target_num_layers)
+    return "EAGLE head for vLLM: " + "; ".join(problems) if problems else None
 
 
 class VLLMEngine(Engine):
@@ -42,8 +65,13 @@ class VLLMEngine(Engine):
         q = levers.quantization
         if q and q not in ON_THE_FLY and q not in self.checkpoints:
             gaps["precision"] = f"{q} needs a pre-quantized checkpoint (--vllm-checkpoint {q}=DIR)"
-        if (levers.speculative or {}).get("adaptive"):
+        spec = levers.speculative or {}
+        if spec.get("adaptive"):
             gaps["speculation"] = "vLLM has no adaptive K (its nearest is disable_by_batch_size)"
+        elif spec.get("method") in ("eagle", "eagle3") and spec.get("model"):
+            why = _eagle_problem(spec["model"])
+            if why:
+                gaps["speculation"] = why
         return gaps
 
     def command(self, model: str, levers: Levers, port: int) -> list[str]:
@@ -58,11 +86,24 @@ class VLLMEngine(Engine):
                 "fp8" if levers.kv_cache_dtype in ("int8", "fp8") else levers.kv_cache_dtype,
             ]
         if levers.speculative:
-            cmd += ["--speculative-config", json.dumps(levers.speculative, sort_keys=True)]
+            cmd += ["--speculative-config", json.dumps(self._spec(levers.speculative, model), sort_keys=True)]
         cmd += ["--enable-prefix-caching" if levers.prefix_caching else "--no-enable-prefix-caching"]
         cmd += ["--tensor-parallel-size", str(levers.tensor_parallel_size)]
         cmd += ["--max-num-seqs", str(levers.max_num_seqs)]
         return cmd
+
+    @staticmethod
+    def _spec(spec: dict, model: str) -> dict:
+        """Our EAGLE head folders become their speculators export, which vLLM loads as method eagle3."""
+        spec = dict(spec)
+        if spec.get("method") in ("eagle", "eagle3") and spec.get("model"):
+            from leverlab.spec.eagle3_format import speculators_export_of
+            from leverlab.study.engines.leverlab import resolve
+
+            head, target = resolve(spec["model"]), resolve(model)
+            if head is not None and target is not None:
+                spec.update(method="eagle3", model=str(speculators_export_of(head, target)))
+        return spec
 
     def capabilities(self) -> dict[str, str]:
         return {
