@@ -56,6 +56,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--execution-mode", choices=("compiled", "eager"), default=None,
                    help="eager (default; decode runs the fused C++ forward) or compiled (Inductor for the "
                    "module path, i.e. long prefill chunks; cached on disk)")
+    g.add_argument("--enforce-eager", dest="execution_mode", action="store_const", const="eager",
+                   help="vLLM's name for --execution-mode eager")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads per rank (default: by model size, cores // tensor-parallel size)")
     g.add_argument("--seed", type=int, default=None)
 
