@@ -476,13 +476,8 @@ async def _serve(
 
 
 def _render_full(ctx: StreamContext, finals: list[RequestOutput]) -> bytes:
-    """_full_response as JSON bytes, on a worker thread. Each choice is dumped on its own: json.dumps holds
-    the GIL for a whole object, and one call over megabytes of logprobs would stall the event loop anyway."""
-    obj = _full_response(ctx, finals)
-    choices = obj.pop("choices")
-    head = R.dumps(obj)
-    parts = ",".join(R.dumps(c) for c in choices)
-    return (head[:-1] + ',"choices":[' + parts + "]}").encode("utf-8", errors="replace")
+    """_full_response as JSON bytes, on a worker thread, encoded piece by piece (responses.dumps_in_pieces)."""
+    return R.dumps_in_pieces(_full_response(ctx, finals))
 
 
 def _prompt_index(ids: list[str], request_id: str) -> int:

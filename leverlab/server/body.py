@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import json
 import multiprocessing as mp
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -82,6 +83,15 @@ def parse_request(raw: bytes, model: type, limits: Limits) -> Any:
     return req
 
 
+def _lower_priority() -> None:
+    """The parser process yields the cores to the server's event loop and engine: parsing a hostile 30 MB
+    body may take a second, and must not take it from the requests being served."""
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+
+
 def _in_worker(raw: bytes, model: type, limits: Limits) -> tuple[str, Any]:
     """parse_request in the worker process; errors come back as data (BadRequest does not pickle as is)."""
     from leverlab.server.errors import pydantic_message
@@ -104,11 +114,18 @@ class BodyParser:
         self._procs: concurrent.futures.ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
 
+    def start(self, model: type, limits: Limits) -> None:
+        """Start the worker process now, from a worker thread, and have it parse one small body (so that its
+        imports are done too): on the first big body, the spawn (~100+ ms in a process with torch loaded)
+        would run on the event loop, and the child's imports would compete for the cores."""
+        self.threads.submit(lambda: self._pool().submit(_in_worker, b'{"prompt": "x"}', model, limits).result())
+
     def _pool(self) -> concurrent.futures.ProcessPoolExecutor:
         with self._lock:
             if self._procs is None:
                 # spawn: never fork a process that runs the engine's threads
-                self._procs = concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
+                self._procs = concurrent.futures.ProcessPoolExecutor(
+                    1, mp_context=mp.get_context("spawn"), initializer=_lower_priority)
             return self._procs
 
     async def parse(self, raw: bytes, model: type, limits: Limits) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -130,9 +131,23 @@ async def _main(args: argparse.Namespace, cfg: Any) -> int:
     from leverlab.engine.async_engine import AsyncLLM
     from leverlab.server.app import build_app
 
+    # The event loop shares the GIL with the engine thread and the server's worker threads (parsing, building
+    # big responses). With Python's default 5 ms switch interval, each of the dozen GIL hand-offs that a
+    # request takes on the loop can wait 5 ms per busy thread: /health measured 90-160 ms while a
+    # prompt_logprobs response was built. 1 ms keeps the loop's share frequent; the cost is a little more
+    # switching in CPU-bound Python, and none while threads run torch ops or sleep (they drop the GIL).
+    sys.setswitchinterval(0.001)
     # Built inside the running loop: the engine may bind its asyncio side to it.
     engine = AsyncLLM(cfg)
     app = build_app(engine, args)
+    # Everything loaded so far (torch, transformers, the model) lives as long as the process: take it out of
+    # the cyclic GC's sight. A full collection otherwise walks all of it while holding the GIL, which
+    # showed up as 100+ ms stalls of the event loop while big logprobs responses were being built.
+    gc.collect()
+    gc.freeze()
+    from leverlab.server.protocol import CompletionRequest
+
+    app.state.server.parser.start(CompletionRequest, app.state.server.limits)
     config = uvicorn.Config(
         app,
         host=args.host,
