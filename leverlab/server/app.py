@@ -347,7 +347,7 @@ async def read_request(request: Request, st: ServerState, model: type) -> Any:
     """The body, read under the byte admission and parsed (off the loop when big) as `model`."""
     length = request.headers.get("content-length")
     try:
-        declared = int(length) if length is not None else 0
+        declared = max(0, int(length)) if length is not None else 0
     except ValueError:
         raise BadRequest("Content-Length is not a number") from None
     ticket = st.admission.reserve_bytes(declared)
