@@ -37,7 +37,8 @@ def validate_prompt(token_ids: list[int], max_tokens: int | None, vocab_size: in
     bad = next((t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)
                 or not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise RequestError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad!r}", "prompt")
+        raise RequestError(f"prompt token ids must be in the vocabulary [0, {vocab_size}); got {bad!r}",
+                           "prompt")
     n = len(token_ids)
     room = max_model_len - n
     if max_tokens is None and room < 1:

@@ -54,7 +54,7 @@ def encode_prompt(engine: Any, prompt: str | list[int]) -> Prompt:
         return Prompt(ids, prompt, time.perf_counter() - t0)
     if not prompt:
         raise BadRequest("prompt must not be empty", "prompt")
-    return Prompt(list(prompt), None, time.perf_counter() - t0)  # ids were checked by check_limits
+    return Prompt(list(prompt), None, time.perf_counter() - t0)  # the ids are checked once, by checked()
 
 
 def encode_chat(engine: Any, req: ChatCompletionRequest, template: str | None = None) -> Prompt:

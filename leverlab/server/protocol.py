@@ -162,7 +162,8 @@ class CompletionRequest(_CommonRequest):
 
     def check_limits(self, limits: Any) -> None:
         """What can never fit, refused before tokenizing (body.Limits): too many token ids or too much text
-        for the context, ids outside the vocabulary. Runs where the body was parsed (maybe another process)."""
+        for the context, stop_token_ids outside the vocabulary. Runs where the body was parsed (maybe another
+        process), so that what comes back from there is bounded by what could fit."""
         self._check_stop_token_ids(limits.vocab_size)
         for i, p in enumerate(self.prompts()):
             where = "prompt" if isinstance(self.prompt, str) or _is_token_id(self.prompt[0]) else f"prompt.{i}"
@@ -172,14 +173,10 @@ class CompletionRequest(_CommonRequest):
                         f"{where} is {len(p)} characters: more than this model's context of {limits.max_model_len} "
                         "tokens could ever hold; shorten it", where, code="context_length_exceeded")
             else:
-                if len(p) > limits.max_model_len:
+                if len(p) > limits.max_model_len:  # (ids themselves: engine/client.validate_prompt, once)
                     raise BadRequest(
                         f"{where} has {len(p)} tokens; this model's maximum context length is "
                         f"{limits.max_model_len} tokens", where, code="context_length_exceeded")
-                bad = next((t for t in p if not 0 <= t < limits.vocab_size), None)
-                if bad is not None:
-                    raise BadRequest(f"token id {bad} in {where} is out of the vocabulary [0, {limits.vocab_size})",
-                                     where)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts: text, or token ids (one list of ints is one prompt)."""
