@@ -83,7 +83,8 @@ class ClientGone(Exception):
 
 class Gate:
     """Pure ASGI middleware (streaming-safe, unlike BaseHTTPMiddleware): refuses new requests while draining,
-    checks the API key on /v1, and counts answers by route and status."""
+    bodies that are not JSON (415), web pages' requests from origins not allowed (403), and requests without
+    the API key on /v1; counts answers by route and status."""
 
     def __init__(self, app: ASGIApp, state: ServerState):
         self.app, self.state = app, state
@@ -108,9 +109,9 @@ class Gate:
         elif scope["method"] == "POST" and path in JSON_PATHS and not _is_json(scope["headers"]):
             self.state.metrics.rejected.labels(reason="unsupported_media_type").inc()
             resp = error_response(415, "send the body as JSON with 'Content-Type: application/json'")
-        elif (origin := _header(scope["headers"], b"origin")) is not None and auth.guarded(path) and not (
-            "*" in self.state.allowed_origins or origin in self.state.allowed_origins
-        ):
+        elif (origin := _header(scope["headers"], b"origin")) is not None and (
+            auth.guarded(path) or path in JSON_PATHS
+        ) and not ("*" in self.state.allowed_origins or origin in self.state.allowed_origins):
             self.state.metrics.rejected.labels(reason="origin").inc()
             resp = error_response(403, f"requests from web pages (Origin {origin}) are refused; the operator can "
                                   "allow an origin with --allowed-origins")

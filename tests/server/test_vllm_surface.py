@@ -83,6 +83,7 @@ def test_content_type_and_origins(tokenizer):
     assert r.status_code == 415
     r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"origin": "http://a.example"})
     assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+    assert c.post("/tokenize", json={"prompt": "x"}, headers={"origin": "http://a.example"}).status_code == 403
     c, _ = app_client(tokenizer, allowed_origins=["http://a.example"])
     r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"origin": "http://a.example"})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://a.example"
