@@ -37,7 +37,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
-    g.add_argument("--max-waiting", type=int, default=None, help="waiting-queue bound; past it, 503 + Retry-After")
+    g.add_argument("--max-waiting", type=int, default=None, help="waiting bound, in sequences (prompts x n): past --max-num-seqs + this many running or "
+                   "waiting, 503 + Retry-After; a request larger than that sum gets 400")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block")
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
