@@ -24,7 +24,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own max_position_embeddings
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 512  # token budget per step (prefill chunks + decodes)
-    max_waiting: int = 256  # past this many waiting requests, new ones get EngineOverloaded
+    max_waiting: int = 256  # sequences: past max_num_seqs + this many running or waiting, EngineOverloaded
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit count wins over kv_cache_memory
     kv_cache_memory: int | None = None  # bytes; None: a default sized for max_num_seqs full contexts, capped

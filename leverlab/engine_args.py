@@ -37,7 +37,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
-    g.add_argument("--max-waiting", type=int, default=None, help="waiting-queue bound; past it, 503 + Retry-After")
+    g.add_argument("--max-waiting", type=int, default=None, help="waiting bound, in sequences (prompts x n): past --max-num-seqs + this many running or "
+                   "waiting, 503 + Retry-After; a request larger than that sum gets 400")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block")
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
@@ -56,6 +57,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--execution-mode", choices=("compiled", "eager"), default=None,
                    help="eager (default; decode runs the fused C++ forward) or compiled (Inductor for the "
                    "module path, i.e. long prefill chunks; cached on disk)")
+    g.add_argument("--enforce-eager", dest="execution_mode", action="store_const", const="eager",
+                   help="vLLM's name for --execution-mode eager")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads per rank (default: by model size, cores // tensor-parallel size)")
     g.add_argument("--seed", type=int, default=None)
 

@@ -11,6 +11,7 @@
 | LEVERLAB_NO_FUSED_DECODE=1    | decode steps through the modules instead of the fused C++ forward       |
 | LEVERLAB_TP_STEP_TIMEOUT_S    | seconds before a hung tensor-parallel rank fails the step (30)          |
 | LEVERLAB_API_KEY              | the server's API key when --api-key is not given                        |
+| LEVERLAB_TEST_FAIL_AT_STEP    | TESTS ONLY: the server's engine loop raises at that step (failure path) |
 """
 
 from __future__ import annotations
@@ -31,3 +32,10 @@ def flag(name: str) -> bool:
 def cache_dir() -> Path:
     """The cache root; each user of it takes a subfolder."""
     return Path(os.environ.get("LEVERLAB_CACHE", Path.home() / ".cache" / "leverlab"))
+
+
+def test_fail_at_step() -> int | None:
+    """TESTS ONLY (tests/server/test_hardening.py): make AsyncLLM's loop raise at this engine step, so the
+    failure path (error events, exit non-zero) can be shown on a real server. Unset in any real use."""
+    v = os.environ.get("LEVERLAB_TEST_FAIL_AT_STEP")
+    return int(v) if v else None

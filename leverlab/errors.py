@@ -6,7 +6,12 @@ class LeverLabError(Exception):
 
 
 class RequestError(LeverLabError, ValueError):
-    """The request itself is wrong (empty prompt, too long, bad parameter): HTTP 400."""
+    """The request itself is wrong (empty prompt, too long, bad parameter): HTTP 400. `param` names the field
+    and `code` is OpenAI's error code (context_length_exceeded) where there is one."""
+
+    def __init__(self, message: str = "", param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 class EngineOverloaded(LeverLabError):

@@ -1,29 +1,17 @@
 """AsyncLLM: the engine's step loop on a background thread, with an asyncio face for the server.
 
-CONTRACT (the server codes against this; the implementation lands with the engine core):
+It implements `EngineClient` (client.py), the only face the server sees:
 
     engine = AsyncLLM(EngineConfig(model=path, ...))    # loads the model, starts the step-loop thread
-    engine.tokenizer          # Hugging Face tokenizer (has .apply_chat_template, .chat_template)
-    engine.model_name         # the model folder's name
-    engine.max_model_len      # prompt tokens + max_tokens must fit in this
-    engine.config             # the EngineConfig (lever settings, for /version and bench manifests)
+    async for out in engine.generate(prompt, params, request_id):   # prompt: EnginePrompt (or str/list[int])
+        ...   # out: RequestOutput, cumulative; out.finished on the last one
 
-    async for out in engine.generate(prompt, params, request_id):   # prompt: str or list[int]
-        ...   # out: RequestOutput; out.outputs has params.n CompletionOutputs (index 0..n-1),
-              # each cumulative (text/token_ids only grow); out.finished on the last one.
-    # generate raises, before yielding anything:
-    #   RequestError      bad request (empty prompt, prompt + max_tokens > max_model_len with both numbers,
-    #                     token id out of vocabulary, ...): HTTP 400
-    #   EngineOverloaded  waiting queue full: HTTP 503 + Retry-After
-    #   EngineDeadError   the loop died: HTTP 503
-    # If the consumer stops iterating (client disconnect -> aclose()/CancelledError), the request is aborted
-    # and its KV blocks are freed.
-
-    engine.abort(request_id)         # its stream ends with a final output whose finish_reason is "abort"
-    await engine.reset_prefix_cache()   # forget unused cached prefix blocks (cold benchmark runs)
-    engine.stats() -> EngineStats   # running/waiting counts, KV blocks, counters for Prometheus
-    engine.healthy -> bool
-    await engine.shutdown(drain_timeout_s)   # stop admitting, let running requests finish, stop the loop
+Each request's outputs go through a one-slot mailbox, not a queue: the engine thread overwrites the latest
+cumulative output, so a consumer that reads slowly gets the newest state and the memory a request holds
+between engine and client stays one output, whatever n, logprobs or the reader's speed.
+Admission counts sequences (prompts x n): running plus waiting may not pass `capacity_seqs`
+(max_num_seqs + max_waiting); the server reserves against the same number before it tokenizes anything.
+If the loop dies, every open stream and every pending command gets EngineDeadError at once.
 """
 
 from __future__ import annotations
@@ -37,7 +25,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from leverlab import env
 from leverlab.config import EngineConfig
+from leverlab.engine.client import EnginePrompt
 from leverlab.engine.llm_engine import LLMEngine
 from leverlab.errors import EngineDeadError, EngineOverloaded, RequestError
 from leverlab.outputs import RequestOutput
@@ -60,6 +50,48 @@ class EngineStats:
         return 1.0 - self.num_free_blocks / max(1, self.num_total_blocks)
 
 
+class _Mailbox:
+    """One request's hand-off from the engine thread to its consumer on the event loop: the latest cumulative
+    output (or an error), and whether there is something new. Put never blocks and never grows."""
+
+    __slots__ = ("loop", "latest", "error", "pending", "event", "lock")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.latest: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.pending = False
+        self.event = asyncio.Event()
+        self.lock = threading.Lock()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Engine thread (or loop thread): keep only the newest; wake the consumer once per batch of puts."""
+        with self.lock:
+            if isinstance(item, BaseException):
+                self.error = item
+            elif self.latest is None or not self.latest.finished:  # a final output is never overwritten
+                self.latest = item
+            wake, self.pending = not self.pending, True
+        if wake:
+            try:
+                self.loop.call_soon_threadsafe(self.event.set)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                pass
+
+    async def get(self) -> RequestOutput:
+        while True:
+            with self.lock:
+                if self.pending:
+                    self.pending = False
+                    if self.error is not None:
+                        raise self.error
+                    item, self.latest = self.latest, None
+                    if item is not None:
+                        return item
+                self.event.clear()  # under the lock: a put after this sets it again
+            await self.event.wait()
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig, served_model_name: str | None = None):
         self.engine = LLMEngine(config)
@@ -71,7 +103,11 @@ class AsyncLLM:
         self.quantization: str | None = method.name if method is not None else None
         self.model_name = served_model_name or self.engine.model_path.rstrip("/").split("/")[-1]
         self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Mailbox] = {}
+        self._inflight_seqs = 0  # sum of n over open streams: the admission count
+        self.capacity_seqs = config.max_num_seqs + config.max_waiting
+        # Test-only fault injection (env.TEST_FAIL_AT_STEP): the loop raises at that engine step.
+        self._fail_at_step = env.test_fail_at_step()
         self._dead: BaseException | None = None
         self._accepting = True
         self._stop = threading.Event()
@@ -85,34 +121,41 @@ class AsyncLLM:
     def healthy(self) -> bool:
         return self._dead is None and self._thread.is_alive() and self.engine.healthy
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
+    async def generate(self, prompt: EnginePrompt | str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         if not self.healthy:
             raise EngineDeadError(f"the engine loop has stopped: {self._dead!r}")
         if not self._accepting:
             raise EngineOverloaded("the server is shutting down")
-        if self.num_waiting() >= self.config.max_waiting:
-            raise EngineOverloaded(f"{self.config.max_waiting} requests are already waiting; retry later")
+        n = params.n
+        if n > self.capacity_seqs:
+            raise RequestError(f"this request has {n} sequences; the engine holds at most {self.capacity_seqs} "
+                               "at once (--max-num-seqs + --max-waiting)")
+        if self._inflight_seqs + n > self.capacity_seqs:
+            raise EngineOverloaded(f"{self._inflight_seqs} sequences are already running or waiting (at most "
+                                   f"{self.capacity_seqs}); retry later")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.monotonic()
-        text, ids = self.engine.encode(prompt, params)  # RequestError surfaces here, before anything is queued
-        tokenize_s = time.monotonic() - arrival
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._inbox.put(("add", request_id, ids, params, arrival, text, tokenize_s))
+        # An EnginePrompt was checked by the server; anything else is checked here, once, before queueing.
+        checked = self.engine.encode(prompt, params)
+        box = _Mailbox(asyncio.get_running_loop())
+        self._streams[request_id] = box
+        self._inflight_seqs += n
         finished = False
         try:
+            if self._dead is not None:  # died between the check above and the registration
+                raise EngineDeadError(f"the engine loop has stopped: {self._dead!r}")
+            self._inbox.put(("add", request_id, checked, params, arrival))
             while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
+                item = await box.get()
                 finished = item.finished
                 yield item
                 if finished:
                     return
         finally:
             self._streams.pop(request_id, None)
+            self._inflight_seqs -= n
             if not finished:
                 # The consumer went away (client disconnect, cancellation): free the request's KV blocks.
                 self._inbox.put(("abort", request_id))
@@ -122,8 +165,12 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> int:
         """Forget unused cached prefix blocks (runs on the engine thread, between steps)."""
+        if not self.healthy:
+            raise EngineDeadError(f"the engine loop has stopped: {self._dead!r}")
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("reset", done))
+        if self._dead is not None:
+            self._fail_commands()
         return await asyncio.wrap_future(done)
 
     def num_waiting(self) -> int:
@@ -154,10 +201,9 @@ class AsyncLLM:
 
     # ---- the engine thread --------------------------------------------------------------------------
     def _push(self, request_id: str, item) -> None:
-        entry = self._streams.get(request_id)
-        if entry is not None:
-            loop, stream = entry
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+        box = self._streams.get(request_id)
+        if box is not None:
+            box.put(item)
 
     def _run(self) -> None:
         eng = self.engine
@@ -174,7 +220,12 @@ class AsyncLLM:
                         cmd = self._inbox.get_nowait()
                     except queue.Empty:
                         cmd = None
+                if not eng.healthy:  # a tensor-parallel rank died while idle: nothing can run any more
+                    raise (eng.tp.error if eng.tp is not None and eng.tp.error else EngineDeadError("engine unhealthy"))
                 if eng.has_unfinished():
+                    if self._fail_at_step is not None and eng.counters["steps"] >= self._fail_at_step:
+                        raise RuntimeError(f"injected engine failure at step {self._fail_at_step} "
+                                           "(LEVERLAB_TEST_FAIL_AT_STEP)")
                     for out in eng.step():
                         self._push(out.request_id, out)
                 elif time.monotonic() - self._last_check > 10.0:
@@ -190,6 +241,17 @@ class AsyncLLM:
             self._dead = e
             for rid in list(self._streams):
                 self._push(rid, EngineDeadError(f"the engine loop died: {e!r}"))
+            self._fail_commands()
+
+    def _fail_commands(self) -> None:
+        """After the loop died: answer the commands nobody will run (a reset must not hang)."""
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "reset" and not cmd[1].done():
+                cmd[1].set_exception(EngineDeadError(f"the engine loop has stopped: {self._dead!r}"))
 
     def _check_when_idle(self) -> None:
         """While idle, check the KV accounting (free + cached + used == total, ref counts): a leak or a
@@ -204,12 +266,11 @@ class AsyncLLM:
     def _handle(self, cmd) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, ids, params, arrival, text, tokenize_s = cmd
+            _, rid, prompt, params, arrival = cmd
             if rid not in self._streams:  # its consumer left before it was admitted
                 return
             try:
-                self.engine.add_request(rid, ids, params, arrival_time=arrival, prompt_text=text,
-                                        tokenize_s=tokenize_s)
+                self.engine.add_request(rid, prompt, params, arrival_time=arrival)
             except ValueError as e:
                 self._push(rid, e if isinstance(e, RequestError) else RequestError(str(e)))
         elif kind == "reset":

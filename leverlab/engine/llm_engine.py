@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from leverlab.config import EngineConfig, default_model_path
 from leverlab.engine.block_manager import BlockManager
+from leverlab.engine.client import EnginePrompt, validate_prompt
 from leverlab.engine.detokenizer import Detokenizer, find_stop
 from leverlab.engine.model_runner import ModelRunner
 from leverlab.engine.request import Request
@@ -96,44 +97,28 @@ class LLMEngine:
         )
 
     # ---- requests in -------------------------------------------------------------------------------
-    def encode(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Tokenize and check a prompt; RequestError says what to fix."""
+    def encode(self, prompt: str | list[int] | EnginePrompt, params: SamplingParams) -> EnginePrompt:
+        """Tokenize and check a prompt (client.validate_prompt: the one check); RequestError says what to fix.
+        An EnginePrompt was checked where it was made and passes through."""
+        if isinstance(prompt, EnginePrompt):
+            return prompt
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt is empty")
-            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-            if not ids:
-                raise RequestError("prompt is empty after tokenization")
-        else:
-            text, ids = None, list(prompt)
-            if not ids:
-                raise RequestError("prompt is empty")
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-            if bad:
-                raise RequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[0]!r}")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
-        if len(ids) + max_tokens > self.max_model_len:
-            raise RequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
-                f"{len(ids)} tokens and max_tokens is {max_tokens} ({len(ids) + max_tokens} in all); "
-                "shorten the prompt or lower max_tokens"
-            )
-        if max_tokens < 1:
-            raise RequestError(f"the prompt ({len(ids)} tokens) fills the whole context ({self.max_model_len})")
-        return text, ids
+            return validate_prompt(self.tokenizer.encode(prompt, add_special_tokens=False), params.max_tokens,
+                                   self.model_config.vocab_size, self.max_model_len, text=prompt)
+        return validate_prompt(list(prompt), params.max_tokens, self.model_config.vocab_size, self.max_model_len)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, prompt_text: str | None = None,
-                    tokenize_s: float | None = None) -> None:
-        """Queue a request. `prompt_text`/`tokenize_s`: set when the caller already tokenized `prompt`."""
+    def add_request(self, request_id: str, prompt: str | list[int] | EnginePrompt, params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. An EnginePrompt carries its text and the caller's tokenize time."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         t0 = time.monotonic()
-        text, ids = self.encode(prompt, params)
+        checked = self.encode(prompt, params)
+        ids, text = checked.token_ids, checked.text
         metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else t0)
-        metrics.tokenize_s = tokenize_s if tokenize_s is not None else time.monotonic() - t0
-        text = prompt_text if prompt_text is not None else text
+        metrics.tokenize_s = checked.tokenize_s if isinstance(prompt, EnginePrompt) else time.monotonic() - t0
         req = Request(request_id, text, ids, params, metrics)
         for i in range(params.n):
             gen = None

@@ -1,12 +1,17 @@
 """The OpenAI-compatible HTTP server (`leverlab serve`).
 
 One job per file, in the order a request meets them:
-    cli.py        flags (vLLM's names) -> EngineConfig; uvicorn; SIGTERM drain
-    app.py        the FastAPI app: routes, the ASGI gate (drain + API key), disconnect handling
+    cli.py        flags (vLLM's names) -> EngineConfig; uvicorn; SIGTERM drain; exit 1 when the engine dies
+    app.py        the FastAPI app: routes, the ASGI gate (drain, JSON only, Origin, API key), disconnects
     auth.py       the optional bearer key
+    admission.py  what the server takes on, before it works on it: body bytes, sequences (prompts x n)
+    body.py       bodies read and parsed off the event loop (a thread, or a parser process when big)
     protocol.py   request bodies (pydantic, strict) -> SamplingParams; refuses what is not built
-    inputs.py     prompts -> token ids (chat template), context-length checks with both numbers
-    streaming.py  server-sent events: per-choice diffs of the engine's cumulative outputs
+    templates.py  which chat template renders a chat (--chat-template, --trust-request-chat-template)
+    gen_config.py --generation-config: sampling defaults from the model's generation_config.json
+    inputs.py     prompts -> token ids (chat template), checked once into the engine's EnginePrompt
+    tokens_api.py vLLM's /tokenize and /detokenize
+    streaming.py  server-sent events: per-choice diffs of the engine's cumulative outputs; stalled readers
     responses.py  response objects: choices, logprobs, usage, the `timings` extension field
     errors.py     every failure as an OpenAI-shaped error with the right status
     metrics.py    Prometheus: request histograms, engine gauges and counters read at scrape time

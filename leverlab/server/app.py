@@ -8,51 +8,64 @@ never blocks on a forward pass.
 from __future__ import annotations
 
 import asyncio
-import json
+import concurrent.futures
 import logging
-import re
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import leverlab
+from leverlab.engine.client import EngineClient, EnginePrompt
 from leverlab.errors import EngineDeadError
 from leverlab.outputs import RequestOutput
-from leverlab.server import auth
+from leverlab.server import auth, tokens_api
 from leverlab.server import responses as R
+from leverlab.server.admission import Admission, Ticket
+from leverlab.server.body import BodyParser, Limits
 from leverlab.server.errors import error_response, exception_response, install_handlers
-from leverlab.server.inputs import (
-    Prompt,
-    check_fits,
-    check_token_ids,
-    default_max_tokens,
-    encode_chat,
-    encode_prompt,
-)
+from leverlab.server.gen_config import SamplingDefaults
+from leverlab.server.inputs import checked, default_max_tokens, encode_chat, encode_prompt, limits
 from leverlab.server.metrics import CONTENT_TYPE, ServerMetrics
 from leverlab.server.protocol import BadRequest, ChatCompletionRequest, CompletionRequest
-from leverlab.server.streaming import StreamContext, event_stream, merge
+from leverlab.server.streaming import GuardedStreamingResponse, StreamContext, event_stream, merge
+from leverlab.server.templates import TemplatePolicy, load_chat_template
 
 log = logging.getLogger("leverlab.server")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
-KNOWN_PATHS = ("/health", "/metrics", "/version", "/v1/models", "/v1/completions", "/v1/chat/completions",
-               "/reset_prefix_cache")
+MAX_INFLIGHT_BODY_BYTES = 2 * MAX_BODY_BYTES
+# Routes whose body is a JSON request: anything else is 415, so that a web page cannot make a local server
+# work with a CORS-"simple" (text/plain, form) request, which browsers send without asking first.
+JSON_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+KNOWN_PATHS = ("/health", "/metrics", "/version", "/v1/models", "/reset_prefix_cache", *JSON_PATHS)
 OFF_LOOP_CHARS = 16_384
-_LONE_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# A stream whose client has not taken a chunk for this long is aborted (its KV blocks freed).
+STREAM_STALL_TIMEOUT_S = 60.0
+WORKER_THREADS = 4
 
 
 @dataclass
 class ServerState:
-    engine: Any
+    engine: EngineClient
     served_names: list[str]
     api_key: str | None
     metrics: ServerMetrics
     token_text: R.TokenText
+    admission: Admission
+    limits: Limits
+    # Parsing, tokenizing, template rendering and building big responses run here, off the event loop.
+    pool: concurrent.futures.ThreadPoolExecutor
+    parser: BodyParser
+    templates: TemplatePolicy = field(default_factory=TemplatePolicy)
+    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    max_logprobs: int = 20
+    log_requests: bool = True
+    allowed_origins: tuple[str, ...] = ()
+    stall_timeout_s: float = STREAM_STALL_TIMEOUT_S
     created: int = field(default_factory=R.now)
     draining: bool = False
     # Set once the engine has drained: streams and waits still open end at once (see streaming._next).
@@ -70,7 +83,8 @@ class ClientGone(Exception):
 
 class Gate:
     """Pure ASGI middleware (streaming-safe, unlike BaseHTTPMiddleware): refuses new requests while draining,
-    checks the API key on /v1, and counts answers by route and status."""
+    bodies that are not JSON (415), web pages' requests from origins not allowed (403), and requests without
+    the API key on /v1; counts answers by route and status."""
 
     def __init__(self, app: ASGIApp, state: ServerState):
         self.app, self.state = app, state
@@ -92,6 +106,15 @@ class Gate:
             resp = error_response(
                 503, "the server is shutting down; retry on another instance", headers={"Retry-After": "5"}
             )
+        elif scope["method"] == "POST" and path in JSON_PATHS and not _is_json(scope["headers"]):
+            self.state.metrics.rejected.labels(reason="unsupported_media_type").inc()
+            resp = error_response(415, "send the body as JSON with 'Content-Type: application/json'")
+        elif (origin := _header(scope["headers"], b"origin")) is not None and (
+            auth.guarded(path) or path in JSON_PATHS
+        ) and not ("*" in self.state.allowed_origins or origin in self.state.allowed_origins):
+            self.state.metrics.rejected.labels(reason="origin").inc()
+            resp = error_response(403, f"requests from web pages (Origin {origin}) are refused; the operator can "
+                                  "allow an origin with --allowed-origins")
         elif (
             self.state.api_key
             and auth.guarded(path)
@@ -114,6 +137,21 @@ class Gate:
             ).inc()
 
 
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    for k, v in headers:
+        if k.lower() == name:
+            return v.decode("latin-1")
+    return None
+
+
+def _is_json(headers: list[tuple[bytes, bytes]]) -> bool:
+    ctype = _header(headers, b"content-type")
+    if ctype is None:
+        return False
+    media = ctype.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 def _served_names(args: Any, engine: Any) -> list[str]:
     names = getattr(args, "served_model_name", None)
     if isinstance(names, str):
@@ -121,15 +159,30 @@ def _served_names(args: Any, engine: Any) -> list[str]:
     return list(names) if names else [engine.model_name]
 
 
-def build_app(engine: Any, args: Any = None) -> FastAPI:
-    """The app serving `engine`. args: served_model_name (str or list), api_key (None: open)."""
+def build_app(engine: EngineClient, args: Any = None) -> FastAPI:
+    """The app serving `engine`. args (all optional): served_model_name (str or list), api_key (None: open),
+    chat_template, trust_request_chat_template, generation_config, max_logprobs, disable_log_requests,
+    allowed_origins, stream_stall_timeout."""
     names = _served_names(args, engine)
+    opt = lambda name, default=None: getattr(args, name, None) if getattr(args, name, None) is not None else default  # noqa: E731
+    pool = concurrent.futures.ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="leverlab-server")
     state = ServerState(
         engine=engine,
         served_names=names,
         api_key=auth.resolve_api_key(getattr(args, "api_key", None)),
         metrics=ServerMetrics(engine, names[0]),
         token_text=R.TokenText(engine.tokenizer),
+        admission=Admission(int(getattr(engine, "capacity_seqs", 1 << 30)), MAX_INFLIGHT_BODY_BYTES, MAX_BODY_BYTES),
+        limits=limits(engine),
+        pool=pool,
+        parser=BodyParser(pool),
+        templates=TemplatePolicy(load_chat_template(opt("chat_template")), bool(opt("trust_request_chat_template"))),
+        defaults=SamplingDefaults.from_model(getattr(getattr(engine, "config", None), "model", None),
+                                             opt("generation_config", "auto")),
+        max_logprobs=int(opt("max_logprobs", 20)),
+        log_requests=not opt("disable_log_requests", False),
+        allowed_origins=tuple(opt("allowed_origins", ())),
+        stall_timeout_s=float(opt("stream_stall_timeout", STREAM_STALL_TIMEOUT_S)),
     )
     app = FastAPI(
         title="LeverLab", version=leverlab.__version__, docs_url=None, redoc_url=None, openapi_url=None
@@ -137,7 +190,13 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
     app.state.server = state
     install_handlers(app)
     app.add_middleware(Gate, state=state)
+    if state.allowed_origins:  # CORS only when the operator names origins; none by default
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
     _add_routes(app, state)
+    tokens_api.add_routes(app, state)
     return app
 
 
@@ -189,18 +248,23 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        ticket: Ticket | None = None
         try:
-            req = CompletionRequest.model_validate(await _read_json(request, st.max_body_bytes))
+            req = await read_request(request, st, CompletionRequest)
             _check_model(st, req.model)
+            st.defaults.apply(req)
             # parameter errors first, before tokenizing (max_tokens is only known after, when null)
-            req.sampling_params(req.max_tokens if req.max_tokens is not None else max(1, req.min_tokens))
-            prompts = [await _off_loop(encode_prompt, engine, p, size=len(p)) for p in req.prompts()]
+            probe = req.sampling_params(req.max_tokens if req.max_tokens is not None else max(1, req.min_tokens))
+            _check_logprobs(st, probe.logprobs, probe.prompt_logprobs)
+            raw_prompts = req.prompts()
+            ticket = st.admission.reserve_seqs(len(raw_prompts), probe.n)  # before any tokenizing
+            prompts = await _off_loop(st, _encode_all, engine, raw_prompts, size=sum(map(len, raw_prompts)))
             longest = max(len(p.token_ids) for p in prompts)
             params = req.sampling_params(default_max_tokens(req.max_tokens, longest, engine.max_model_len))
-            check_token_ids(engine, params.stop_token_ids, "stop_token_ids")
-            for p in prompts:
-                check_fits(len(p.token_ids), params.max_tokens, engine.max_model_len)
+            engine_prompts = [checked(engine, p, params.max_tokens) for p in prompts]
         except Exception as e:
+            if ticket is not None:
+                ticket.release()
             return _rejected(st, e)
         echo = (
             [p.text if p.text is not None else engine.tokenizer.decode(p.token_ids) for p in prompts]
@@ -220,25 +284,31 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
             echo=echo,
             prompt_logprobs_k=params.prompt_logprobs,
         )
-        return await _serve(request, st, ctx, prompts, params, req.stream)
+        return await _serve(request, st, ctx, engine_prompts, params, req.stream, ticket)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        ticket: Ticket | None = None
         try:
-            req = ChatCompletionRequest.model_validate(await _read_json(request, st.max_body_bytes))
+            req = await read_request(request, st, ChatCompletionRequest)
             _check_model(st, req.model)
+            st.defaults.apply(req)
             # parameter errors first, before the template runs (max_tokens may need the prompt's length)
             requested = req.requested_max_tokens()
-            req.sampling_params(requested if requested is not None else max(1, req.min_tokens))
-            size = sum(len(str(m.content or "")) for m in req.messages)
-            prompt = await _off_loop(encode_chat, engine, req, size=size)
+            probe = req.sampling_params(requested if requested is not None else max(1, req.min_tokens))
+            _check_logprobs(st, probe.logprobs, None)
+            template = st.templates.template_for(req)
+            ticket = st.admission.reserve_seqs(1, probe.n)
+            # Templates always render on a worker thread: even the server's own can be slow on a long chat.
+            prompt = await asyncio.get_running_loop().run_in_executor(st.pool, encode_chat, engine, req, template)
             max_tokens = default_max_tokens(
                 req.requested_max_tokens(), len(prompt.token_ids), engine.max_model_len
             )
             params = req.sampling_params(max_tokens)
-            check_token_ids(engine, params.stop_token_ids, "stop_token_ids")
-            check_fits(len(prompt.token_ids), max_tokens, engine.max_model_len)
+            engine_prompt = checked(engine, prompt, max_tokens)
         except Exception as e:
+            if ticket is not None:
+                ticket.release()
             return _rejected(st, e)
         ctx = StreamContext(
             request_id=R.new_id("chatcmpl"),
@@ -251,15 +321,47 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
             token_text=st.token_text,
             tokenize_s=[prompt.tokenize_s],
         )
-        return await _serve(request, st, ctx, [prompt], params, req.stream)
+        return await _serve(request, st, ctx, [engine_prompt], params, req.stream, ticket)
 
 
-async def _off_loop(fn, *args, size: int):
+def _encode_all(engine: Any, prompts: list[str | list[int]]) -> list:
+    return [encode_prompt(engine, p) for p in prompts]
+
+
+def _check_logprobs(st: ServerState, logprobs: int | None, prompt_logprobs: int | None) -> None:
+    """--max-logprobs: vLLM's bound on top-k logprobs a request may ask for (each costs response bytes)."""
+    for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if k is not None and k > st.max_logprobs:
+            raise BadRequest(f"{name} must be at most {st.max_logprobs} on this server (--max-logprobs), got {k}",
+                             name)
+
+
+async def _off_loop(st: ServerState, fn, *args, size: int):
     """Run fn(*args) here when the input is small, on a worker thread when large: tokenizing a long prompt
     takes milliseconds that every open stream would otherwise wait for."""
     if size > OFF_LOOP_CHARS:
-        return await asyncio.to_thread(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(st.pool, fn, *args)
     return fn(*args)
+
+
+async def read_request(request: Request, st: ServerState, model: type) -> Any:
+    """The body, read under the byte admission and parsed (off the loop when big) as `model`."""
+    length = request.headers.get("content-length")
+    try:
+        declared = max(0, int(length)) if length is not None else 0
+    except ValueError:
+        raise BadRequest("Content-Length is not a number") from None
+    ticket = st.admission.reserve_bytes(declared)
+    try:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > ticket.nbytes:
+                st.admission.grow_bytes(ticket, size - ticket.nbytes)
+            chunks.append(chunk)
+        return await st.parser.parse(b"".join(chunks), model, st.limits)
+    finally:
+        ticket.release()
 
 
 def _check_model(st: ServerState, model: str | None) -> None:
@@ -279,46 +381,6 @@ def _rejected(st: ServerState, e: Exception) -> Response:
     )
     st.metrics.rejected.labels(reason=reason).inc()
     return resp
-
-
-async def _read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The body as a JSON object, or a BadRequest that says what is wrong with it."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BadRequest(f"request body is larger than {limit} bytes", status=413)
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise BadRequest("request body is empty; send a JSON object")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BadRequest(f"request body is not valid UTF-8 (bad byte at offset {e.start})") from e
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadRequest(f"malformed JSON: {e.msg} (line {e.lineno}, column {e.colno})") from e
-    except (ValueError, RecursionError) as e:  # integers past Python's digit limit, absurd nesting
-        raise BadRequest(f"malformed JSON: {e}") from e
-    if not isinstance(obj, dict):
-        raise BadRequest(f"request body must be a JSON object, got {type(obj).__name__}")
-    if _LONE_SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(obj):
-        raise BadRequest(
-            "request body holds an unpaired UTF-16 surrogate escape (\\uD800-\\uDFFF): not valid text"
-        )
-    return obj
-
-
-def _has_lone_surrogate(obj: Any) -> bool:
-    if isinstance(obj, str):
-        return any("\ud800" <= ch <= "\udfff" for ch in obj)
-    if isinstance(obj, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in obj.items())
-    if isinstance(obj, list):
-        return any(_has_lone_surrogate(v) for v in obj)
-    return False
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -351,42 +413,72 @@ async def _unless_disconnected(request: Request, aw: Awaitable, stopped: asyncio
 
 
 async def _serve(
-    request: Request, st: ServerState, ctx: StreamContext, prompts: list[Prompt], params: Any, stream: bool
+    request: Request, st: ServerState, ctx: StreamContext, prompts: list[EnginePrompt], params: Any, stream: bool,
+    ticket: Ticket,
 ) -> Response:
+    """Run the admitted request; `ticket` (its sequences) is released when the response is done, whatever
+    way it ends."""
     engine = st.engine
     ids = [ctx.request_id] if len(prompts) == 1 else [f"{ctx.request_id}-{i}" for i in range(len(prompts))]
+    if st.log_requests:
+        log.info("request %s: %d prompt(s), %s prompt tokens, n=%d, max_tokens=%d, stream=%s", ctx.request_id,
+                 len(prompts), "+".join(str(len(p.token_ids)) for p in prompts), params.n, params.max_tokens,
+                 stream)
+    handed_off = False
     try:
-        streams = [engine.generate(p.token_ids, params, rid) for p, rid in zip(prompts, ids)]
-    except Exception as e:
-        return _rejected(st, e)
-    merged = merge(streams)
-    tok_s = ctx.tokenize_s
-    ctx.on_aborted = st.metrics.aborted.inc
-    ctx.stop = st.stopped
-    ctx.draining = lambda: st.draining
-    ctx.on_finished = lambda out: st.metrics.observe_finished(out, tok_s[_prompt_index(ids, out.request_id)])
-    try:
+        streams = [engine.generate(p, params, rid) for p, rid in zip(prompts, ids)]
+        merged = merge(streams)
+        tok_s = ctx.tokenize_s
+        ctx.on_aborted = st.metrics.aborted.inc
+        ctx.stop = st.stopped
+        ctx.draining = lambda: st.draining
+        ctx.on_finished = lambda out: st.metrics.observe_finished(out, tok_s[_prompt_index(ids, out.request_id)])
+        try:
+            if stream:
+                # Wait for the first output before sending headers: admission errors (overload, too long)
+                # become a proper status code, and the first chunk the client sees holds the first token.
+                first = await _unless_disconnected(request, anext(merged), st.stopped)
+            else:
+                finals = await _unless_disconnected(request, _collect(merged, len(prompts), ctx), st.stopped)
+        except ClientGone:
+            st.metrics.aborted.inc()
+            await merged.aclose()
+            return Response(status_code=499)
+        except StopAsyncIteration:
+            return error_response(500, "the engine produced no output")
+        except Exception as e:
+            await merged.aclose()
+            return _rejected(st, e)
         if stream:
-            # Wait for the first output before sending headers: admission errors (overload, too long)
-            # become a proper status code, and the first chunk the client sees holds the first token.
-            first = await _unless_disconnected(request, anext(merged), st.stopped)
-        else:
-            finals = await _unless_disconnected(request, _collect(merged, len(prompts), ctx), st.stopped)
-    except ClientGone:
-        st.metrics.aborted.inc()
-        await merged.aclose()
-        return Response(status_code=499)
-    except StopAsyncIteration:
-        return error_response(500, "the engine produced no output")
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            ctx.on_done = ticket.release
+            handed_off = True
+
+            def stalled() -> None:
+                st.metrics.rejected.labels(reason="stream_stalled").inc()
+                log.warning("stream %s: the client took no data for %.0f s; aborted (its KV blocks are freed)",
+                            ctx.request_id, st.stall_timeout_s)
+
+            return GuardedStreamingResponse(
+                event_stream(ctx, first, merged, len(prompts)), stall_timeout_s=st.stall_timeout_s,
+                on_stall=stalled, media_type="text/event-stream", headers=headers,
+            )
+        # Building a big response (prompt_logprobs, logprobs of many choices) takes a while: off the loop.
+        big = params.prompt_logprobs is not None or params.logprobs is not None or params.n * len(prompts) > 8
+        if big:
+            body = await asyncio.get_running_loop().run_in_executor(st.pool, _render_full, ctx, finals)
+            return Response(body, media_type="application/json")
+        return R.OpenAIJSON(_full_response(ctx, finals))
     except Exception as e:
-        await merged.aclose()
         return _rejected(st, e)
-    if stream:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(
-            event_stream(ctx, first, merged, len(prompts)), media_type="text/event-stream", headers=headers
-        )
-    return R.OpenAIJSON(_full_response(ctx, finals))
+    finally:
+        if not handed_off:
+            ticket.release()
+
+
+def _render_full(ctx: StreamContext, finals: list[RequestOutput]) -> bytes:
+    """_full_response as JSON bytes, on a worker thread, encoded piece by piece (responses.dumps_in_pieces)."""
+    return R.dumps_in_pieces(_full_response(ctx, finals))
 
 
 def _prompt_index(ids: list[str], request_id: str) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -46,6 +47,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from leverlab.engine_args import add_engine_arguments
 
     add_engine_arguments(p)
+    g = p.add_argument_group("serving (named as in vLLM)")
+    g.add_argument("--chat-template", default=None,
+                   help="the server's chat template: a file, or the template text (default: the tokenizer's)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render chat templates that requests bring (chat_template): off by default, since a "
+                   "template can loop and allocate without bound")
+    g.add_argument("--generation-config", default="auto",
+                   help="sampling defaults: 'auto' (the model's generation_config.json), 'vllm' (none) or a folder")
+    g.add_argument("--max-logprobs", type=int, default=20, help="the most top logprobs a request may ask for")
+    g.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+    g.add_argument("--allowed-origins", nargs="+", default=None,
+                   help="web page origins allowed to call the API (CORS), e.g. http://localhost:3000 or '*'; "
+                   "default none: requests that carry an Origin header are refused")
+    g.add_argument("--stream-stall-timeout", type=float, default=60.0,
+                   help="seconds a stream may wait on a client that reads nothing before it is aborted")
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -115,9 +131,23 @@ async def _main(args: argparse.Namespace, cfg: Any) -> int:
     from leverlab.engine.async_engine import AsyncLLM
     from leverlab.server.app import build_app
 
+    # The event loop shares the GIL with the engine thread and the server's worker threads (parsing, building
+    # big responses). With Python's default 5 ms switch interval, each of the dozen GIL hand-offs that a
+    # request takes on the loop can wait 5 ms per busy thread: /health measured 90-160 ms while a
+    # prompt_logprobs response was built. 1 ms keeps the loop's share frequent; the cost is a little more
+    # switching in CPU-bound Python, and none while threads run torch ops or sleep (they drop the GIL).
+    sys.setswitchinterval(0.001)
     # Built inside the running loop: the engine may bind its asyncio side to it.
     engine = AsyncLLM(cfg)
     app = build_app(engine, args)
+    # Everything loaded so far (torch, transformers, the model) lives as long as the process: take it out of
+    # the cyclic GC's sight. A full collection otherwise walks all of it while holding the GIL, which
+    # showed up as 100+ ms stalls of the event loop while big logprobs responses were being built.
+    gc.collect()
+    gc.freeze()
+    from leverlab.server.protocol import CompletionRequest
+
+    app.state.server.parser.start(CompletionRequest, app.state.server.limits)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -129,6 +159,7 @@ async def _main(args: argparse.Namespace, cfg: Any) -> int:
         timeout_graceful_shutdown=FLUSH_TIMEOUT_S,
     )
     server = DrainingServer(config, app, engine, args.drain_timeout)
+    watch = asyncio.get_running_loop().create_task(server.watch_engine())
     names = app.state.server.served_names
     log.info(
         "LeverLab serving %s at http://%s:%d/v1 (%s)",
@@ -140,9 +171,13 @@ async def _main(args: argparse.Namespace, cfg: Any) -> int:
     try:
         await server.serve()
     finally:
+        watch.cancel()
+        app.state.server.parser.close()
         if not server.drained:
             with contextlib.suppress(Exception):
                 await engine.shutdown(0)
+    if server.engine_failed:
+        return 1
     return 0 if server.started else 1
 
 
@@ -159,7 +194,26 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.app, self.engine, self.drain_timeout = app, engine, drain_timeout
         self.drained = False
+        self.engine_failed = False
         self._drain_task: asyncio.Task | None = None
+
+    async def watch_engine(self) -> None:
+        """An engine that dies (the step loop raised, a tensor-parallel rank died) cannot recover: fail what is
+        in flight (the engine already pushed the error into every open stream), stop serving, and exit non-zero
+        so that a supervisor restarts the process, instead of answering 503 for ever."""
+        while not self.should_exit:
+            await asyncio.sleep(0.2)
+            if self._drain_task is None and not self.engine.healthy:  # (a drain stops the engine on purpose)
+                break
+        else:
+            return
+        log.error("the engine failed; leaving with exit status 1 so that a supervisor restarts the server")
+        self.engine_failed = True
+        state = self.app.state.server
+        state.draining = True  # new requests: 503
+        await asyncio.sleep(0.5)  # let the streams send their error event and [DONE]
+        state.stopped.set()  # anything still waiting ends now
+        self.should_exit = True
 
     @contextlib.contextmanager
     def capture_signals(self):

@@ -82,7 +82,9 @@ def map_exception(e: BaseException) -> tuple[int, dict[str, Any], dict[str, str]
     if isinstance(e, ValidationError):
         msg, param = pydantic_message(e)
         return 400, error_body(msg, "invalid_request_error", param), None
-    if isinstance(e, (RequestError, UnsupportedLever)):
+    if isinstance(e, RequestError):
+        return 400, error_body(str(e), "invalid_request_error", e.param, e.code), None
+    if isinstance(e, UnsupportedLever):
         return 400, error_body(str(e), "invalid_request_error"), None
     if isinstance(e, EngineOverloaded):
         msg = str(e) or "the server is overloaded: too many requests waiting"

@@ -11,11 +11,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from leverlab.engine.client import EnginePrompt, validate_prompt
+from leverlab.server.body import Limits
 from leverlab.server.protocol import BadRequest, ChatCompletionRequest
 
 
 @dataclass
 class Prompt:
+    """A prompt as token ids, not yet checked against the context (`checked` makes the EnginePrompt)."""
+
     token_ids: list[int]
     text: str | None  # the prompt text where the request gave text (used by echo)
     tokenize_s: float  # server-side time: chat template + tokenizer
@@ -24,6 +28,16 @@ class Prompt:
 def vocab_size(engine: Any) -> int:
     """Token ids must be below this. The engine may know the model's (padded) vocab; else the tokenizer's."""
     return int(getattr(engine, "vocab_size", None) or len(engine.tokenizer))
+
+
+def limits(engine: Any) -> Limits:
+    """The checks that need no tokenizer (body.Limits), for this engine's model."""
+    tok = engine.tokenizer
+    try:
+        longest = max(len(t) for t in tok.get_vocab())
+    except Exception:  # a tokenizer without a vocabulary listing: assume long tokens
+        longest = 64
+    return Limits(engine.max_model_len, vocab_size(engine), 4 * max(1, longest))
 
 
 def encode_prompt(engine: Any, prompt: str | list[int]) -> Prompt:
@@ -40,16 +54,14 @@ def encode_prompt(engine: Any, prompt: str | list[int]) -> Prompt:
         return Prompt(ids, prompt, time.perf_counter() - t0)
     if not prompt:
         raise BadRequest("prompt must not be empty", "prompt")
-    v = vocab_size(engine)
-    bad = next((t for t in prompt if not 0 <= t < v), None)
-    if bad is not None:
-        raise BadRequest(f"token id {bad} in prompt is out of the vocabulary [0, {v})", "prompt")
-    return Prompt(list(prompt), None, time.perf_counter() - t0)
+    return Prompt(list(prompt), None, time.perf_counter() - t0)  # the ids are checked once, by checked()
 
 
-def encode_chat(engine: Any, req: ChatCompletionRequest) -> Prompt:
+def encode_chat(engine: Any, req: ChatCompletionRequest, template: str | None = None) -> Prompt:
+    """Render the conversation with `template` (None: the tokenizer's own) and tokenize it. Slow for a long
+    conversation and unbounded for a hostile template: never call this on the event loop."""
     tok = engine.tokenizer
-    if not getattr(tok, "chat_template", None):
+    if template is None and not getattr(tok, "chat_template", None):
         raise BadRequest(
             f"model {engine.model_name!r} has no chat template in its tokenizer config; "
             "use /v1/completions with a plain prompt instead",
@@ -62,7 +74,8 @@ def encode_chat(engine: Any, req: ChatCompletionRequest) -> Prompt:
             tokenize=False,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            **(req.chat_template_kwargs or {}),
+            **{k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "chat_template"},
+            **({"chat_template": template} if template is not None else {}),
         )
     except BadRequest:
         raise
@@ -75,23 +88,10 @@ def encode_chat(engine: Any, req: ChatCompletionRequest) -> Prompt:
     return Prompt(ids, text, time.perf_counter() - t0)
 
 
-def check_token_ids(engine: Any, ids: list[int], param: str) -> None:
-    """Token ids the request names (stop_token_ids) must exist in the model's vocabulary."""
-    v = vocab_size(engine)
-    bad = next((t for t in ids if not 0 <= t < v), None)
-    if bad is not None:
-        raise BadRequest(f"{param}: token id {bad} is out of the vocabulary [0, {v})", param)
-
-
-def check_fits(prompt_len: int, max_tokens: int, max_model_len: int) -> None:
-    if prompt_len + max_tokens > max_model_len:
-        raise BadRequest(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
-            "Please reduce the length of the prompt or max_tokens.",
-            "max_tokens",
-            code="context_length_exceeded",
-        )
+def checked(engine: Any, p: Prompt, max_tokens: int) -> EnginePrompt:
+    """The prompt as the engine takes it: validated once, here (RequestError: 400 with both numbers)."""
+    return validate_prompt(p.token_ids, max_tokens, vocab_size(engine), engine.max_model_len, p.text,
+                           p.tokenize_s)
 
 
 def default_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:

@@ -177,6 +177,61 @@ def _gauge(name: str, doc: str, value: Any):
     yield m
 
 
+# vLLM's names for our core metrics, so that dashboards built for vLLM read a LeverLab server unchanged.
+# (vLLM's own label `model_name` is added.) Both of vLLM's names are given where it renamed one.
+VLLM_HISTOGRAMS = {
+    "vllm:time_to_first_token_seconds": "ttft",
+    "vllm:inter_token_latency_seconds": "itl",
+    "vllm:time_per_output_token_seconds": "itl",
+    "vllm:e2e_request_latency_seconds": "e2e",
+}
+VLLM_GAUGES = {  # alias -> our engine gauge
+    "vllm:num_requests_running": "leverlab_num_requests_running",
+    "vllm:num_requests_waiting": "leverlab_num_requests_waiting",
+    "vllm:kv_cache_usage_perc": "leverlab_kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc": "leverlab_kv_cache_usage_perc",
+}
+VLLM_COUNTERS = {  # alias -> our engine counter (prefix-cache ones in tokens, as vLLM counts them)
+    "vllm:prefix_cache_queries": "leverlab_engine_prefix_cache_queries",
+    "vllm:prefix_cache_hits": "leverlab_engine_prefix_cache_hits",
+    "vllm:prompt_tokens": "leverlab_engine_prompt_tokens",
+    "vllm:generation_tokens": "leverlab_engine_generation_tokens",
+}
+
+
+class _VllmAliases(Collector):
+    """The `vllm:` names: the same samples as ours, renamed, labelled with model_name."""
+
+    def __init__(self, metrics: ServerMetrics, engine_collector: _EngineCollector, model_name: str):
+        self.metrics, self.engine_collector, self.model = metrics, engine_collector, model_name
+
+    def collect(self):
+        from prometheus_client.core import HistogramMetricFamily
+
+        for alias, attr in VLLM_HISTOGRAMS.items():
+            (fam,) = getattr(self.metrics, attr).collect()
+            buckets, total = [], 0.0
+            for smp in fam.samples:
+                if smp.name.endswith("_bucket"):
+                    buckets.append((smp.labels["le"], smp.value))
+                elif smp.name.endswith("_sum"):
+                    total = smp.value
+            h = HistogramMetricFamily(alias, f"{fam.documentation} (vLLM's name)", labels=["model_name"])
+            h.add_metric([self.model], buckets, total)
+            yield h
+        ours = {fam.name: fam for fam in self.engine_collector.collect()}
+        for alias, name in VLLM_GAUGES.items():
+            if name in ours:
+                g = GaugeMetricFamily(alias, f"{ours[name].documentation} (vLLM's name)", labels=["model_name"])
+                g.add_metric([self.model], ours[name].samples[0].value)
+                yield g
+        for alias, name in VLLM_COUNTERS.items():
+            if name in ours:
+                c = CounterMetricFamily(alias, f"{ours[name].documentation} (vLLM's name)", labels=["model_name"])
+                c.add_metric([self.model], ours[name].samples[0].value)
+                yield c
+
+
 class ServerMetrics:
     def __init__(self, engine: Any, model_name: str):
         disable_created_metrics()  # the *_created samples only add noise to every scrape
@@ -232,7 +287,9 @@ class ServerMetrics:
             "leverlab_model_info", "The served model (value is always 1).", ["model"], registry=r
         )
         self.info.labels(model=model_name).set(1)
-        r.register(_EngineCollector(engine))
+        engine_collector = _EngineCollector(engine)
+        r.register(engine_collector)
+        r.register(_VllmAliases(self, engine_collector, model_name))
 
     def observe_finished(self, out: RequestOutput, server_tokenize_s: float = 0.0) -> None:
         m = out.metrics

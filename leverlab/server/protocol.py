@@ -70,6 +70,14 @@ class _CommonRequest(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
+    def _check_stop_token_ids(self, vocab_size: int) -> None:
+        bad = next((t for t in self.stop_token_ids or [] if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise BadRequest(f"stop_token_ids: token id {bad} is out of the vocabulary [0, {vocab_size})",
+                             "stop_token_ids")
+        if self.stop_token_ids:
+            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))  # at most vocab_size entries now
+
     def _refuse_unbuilt(self) -> None:
         """Parameters whose effect we do not implement: refuse when set to anything but their neutral value."""
         for name, neutral in (
@@ -152,6 +160,24 @@ class CompletionRequest(_CommonRequest):
                              "prompt_logprobs")
         return self._sampling_params(max_tokens, self.logprobs, self.prompt_logprobs)
 
+    def check_limits(self, limits: Any) -> None:
+        """What can never fit, refused before tokenizing (body.Limits): too many token ids or too much text
+        for the context, stop_token_ids outside the vocabulary. Runs where the body was parsed (maybe another
+        process), so that what comes back from there is bounded by what could fit."""
+        self._check_stop_token_ids(limits.vocab_size)
+        for i, p in enumerate(self.prompts()):
+            where = "prompt" if isinstance(self.prompt, str) or _is_token_id(self.prompt[0]) else f"prompt.{i}"
+            if isinstance(p, str):
+                if len(p) > limits.max_text_bytes // 4 and len(p.encode("utf-8", "replace")) > limits.max_text_bytes:
+                    raise BadRequest(
+                        f"{where} is {len(p)} characters: more than this model's context of {limits.max_model_len} "
+                        "tokens could ever hold; shorten it", where, code="context_length_exceeded")
+            else:
+                if len(p) > limits.max_model_len:  # (ids themselves: engine/client.validate_prompt, once)
+                    raise BadRequest(
+                        f"{where} has {len(p)} tokens; this model's maximum context length is "
+                        f"{limits.max_model_len} tokens", where, code="context_length_exceeded")
+
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts: text, or token ids (one list of ints is one prompt)."""
         p = self.prompt
@@ -228,6 +254,24 @@ class ChatCompletionRequest(_CommonRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's request-level template: honoured only with --trust-request-chat-template (templates.py)
+    chat_template: str | None = None
+
+    def check_limits(self, limits: Any) -> None:
+        """As CompletionRequest.check_limits: a conversation that can never fit is refused before the
+        template runs (every message renders to at least one token in any chat template we know)."""
+        self._check_stop_token_ids(limits.vocab_size)
+        if len(self.messages) > limits.max_model_len:
+            raise BadRequest(f"{len(self.messages)} messages cannot fit this model's context of "
+                             f"{limits.max_model_len} tokens", "messages", code="context_length_exceeded")
+        size = 0
+        for m in self.messages:
+            parts = m.content if isinstance(m.content, list) else [m.content]
+            size += sum(len(x.text or "") if isinstance(x, ContentPart) else len(x or "") for x in parts)
+        if size > limits.max_text_bytes // 4 and size > limits.max_text_bytes:
+            raise BadRequest(f"the messages hold {size} characters: more than this model's context of "
+                             f"{limits.max_model_len} tokens could ever hold", "messages",
+                             code="context_length_exceeded")
 
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens wins over the deprecated max_tokens; None means 'fill the context'."""

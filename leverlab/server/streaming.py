@@ -14,6 +14,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.responses import StreamingResponse
+from starlette.types import Send
+
 from leverlab.outputs import CompletionOutput, RequestOutput
 from leverlab.server import responses as R
 from leverlab.server.errors import error_body, map_exception
@@ -36,7 +39,9 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tu
         async for out in streams[0]:
             yield 0, out
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    # Bounded: when the consumer is slow the pumps wait, and each engine stream's mailbox coalesces its outputs
+    # (an unbounded queue here would keep one full cumulative output per step per prompt).
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
     end = object()
 
     async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
@@ -96,6 +101,7 @@ class StreamContext:
     # only do it while draining (a running stream gets there within one token).
     stop: asyncio.Event | None = None
     draining: Callable[[], bool] = lambda: False
+    on_done: Callable[[], None] | None = None  # the stream ended, however (releases the admission ticket)
 
     finals: dict[int, RequestOutput] = field(default_factory=dict)
 
@@ -214,6 +220,8 @@ async def event_stream(
             ctx.on_aborted()
         if hasattr(rest, "aclose"):
             await rest.aclose()
+        if ctx.on_done is not None:
+            ctx.on_done()
     yield DONE
 
 
@@ -258,3 +266,35 @@ def _abort_choices(ctx: StreamContext, sent: dict[tuple[int, int], _Sent], num_p
 def _timings(ctx: StreamContext) -> dict | list[dict]:
     n = len(ctx.finals)
     return R.batch_timings([ctx.finals[i] for i in range(n)], ctx.tokenize_s[:n])
+
+
+class GuardedStreamingResponse(StreamingResponse):
+    """A StreamingResponse that gives up on a client that stops reading.
+
+    When the client stops reading, the socket buffers fill and each send waits. A send that waits longer than
+    `stall_timeout_s` ends the response: the event generator is closed (which aborts the engine requests and
+    frees their KV blocks) and the connection is dropped. Memory meanwhile stays bounded: the engine side
+    keeps only the latest cumulative output per request (async_engine._Mailbox).
+    """
+
+    def __init__(self, content, *, stall_timeout_s: float, on_stall: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self.stall_timeout_s, self.on_stall = stall_timeout_s, on_stall
+
+    async def stream_response(self, send: Send) -> None:
+        async def guarded(message: dict) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.stall_timeout_s)
+            except TimeoutError:
+                raise _Stalled() from None
+
+        try:
+            await super().stream_response(guarded)
+        except _Stalled:
+            self.on_stall()
+            await self.body_iterator.aclose()
+            # Returning with the response unfinished makes the server close the connection.
+
+
+class _Stalled(Exception):
+    """The client took nothing for stall_timeout_s."""

@@ -1,4 +1,4 @@
-"""A stand-in that keeps AsyncLLM's contract, for in-process tests of faults the real engine cannot be made
+"""A stand-in that implements EngineClient (leverlab/engine/client.py) as AsyncLLM does, for in-process tests of faults the real engine cannot be made
 to show on demand (a dead engine, an exact overload point). Tokens are a fixed walk through the vocab."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from leverlab.engine.client import EnginePrompt
 from leverlab.errors import EngineDeadError, EngineOverloaded, RequestError
 from leverlab.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -33,6 +34,8 @@ class FakeEngine:
         self.tokenizer = tokenizer
         self.model_name = "fake-model"
         self.max_model_len = max_model_len
+        self.vocab_size = len(tokenizer)
+        self.capacity_seqs = 1024  # the fake's own overload point (max_running + max_waiting) comes first
         self.config = SimpleNamespace(model="fake")
         self.healthy = True
         self.dead = False
@@ -58,10 +61,14 @@ class FakeEngine:
     async def shutdown(self, drain_timeout_s: float) -> None:
         self.healthy = False
 
+    async def reset_prefix_cache(self) -> int:
+        return 0
+
     async def generate(self, prompt, params, request_id):
         if self.dead:
             raise EngineDeadError("step loop died")
-        ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+        assert isinstance(prompt, EnginePrompt), "the server validates prompts before they reach an engine"
+        ids = list(prompt.token_ids)
         if not ids:
             raise RequestError("prompt must not be empty")
         if len(ids) + params.max_tokens > self.max_model_len:

@@ -1,0 +1,69 @@
+"""`--generation-config`: default sampling parameters from the model's generation_config.json, as vLLM does.
+
+    auto    (default, as in vLLM) the model folder's generation_config.json, when it has one
+    vllm    none: the OpenAI defaults (temperature 1, top_p 1, no top_k)
+    FOLDER  the generation_config.json in that folder
+
+A default applies only where the request leaves the field out. `do_sample` is not read (vLLM does not read
+it either: a model that ships `do_sample: false` and a temperature still samples at that temperature).
+Fields we do not implement (repetition_penalty, min_p) are reported at start and not applied.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("leverlab.server")
+
+_APPLIED = ("temperature", "top_p", "top_k")
+_UNBUILT = {"repetition_penalty": 1.0, "min_p": 0.0}
+
+
+@dataclass
+class SamplingDefaults:
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    source: str | None = None
+
+    @classmethod
+    def from_model(cls, model_path: str | None, mode: str | None) -> SamplingDefaults:
+        mode = mode or "auto"
+        if mode == "vllm":
+            return cls()
+        folder = Path(model_path) if mode == "auto" else Path(mode)
+        if mode != "auto" and not folder.is_dir():
+            raise ValueError(f"--generation-config {mode!r}: not 'auto', 'vllm' or a folder")
+        path = folder / "generation_config.json" if model_path or mode != "auto" else None
+        if path is None or not path.is_file():
+            if mode != "auto":
+                raise ValueError(f"--generation-config: no generation_config.json in {folder}")
+            return cls()
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--generation-config: cannot read {path}: {e}") from e
+        found = {k: data[k] for k in _APPLIED if isinstance(data.get(k), (int, float)) and not isinstance(data[k], bool)}
+        ignored = [k for k, neutral in _UNBUILT.items() if k in data and data[k] != neutral]
+        if ignored:
+            log.warning("generation_config.json sets %s, which this server does not implement: not applied",
+                        ", ".join(ignored))
+        if found:
+            log.info("sampling defaults from %s: %s (--generation-config vllm to ignore them)", path, found)
+        top_k = found.get("top_k")
+        return cls(found.get("temperature"), found.get("top_p"), int(top_k) if top_k is not None else None,
+                   str(path))
+
+    def apply(self, req: Any) -> None:
+        """Fill the request's unset sampling fields (None) with these defaults."""
+        for name in _APPLIED:
+            value = getattr(self, name)
+            if value is not None and getattr(req, name, None) is None:
+                setattr(req, name, value)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in _APPLIED if getattr(self, k) is not None}
