@@ -5,7 +5,8 @@ cost grows with every row. fbgemm's int8 GEMM over the int8 copy (int8_gemm.py) 
 any work (per-row activation quantization, the quantized-tensor dispatch) and then grows slowly. Where the two
 cross depends on the matrix and the machine. Measured here (one thread, CPU time) at 16 rows: int8 640x384
 streamed 1.5x faster than fbgemm, 2048x384 0.63x; int4 on the Qwen3-0.6B shape's 4096x1024 was 0.52x already
-at 4 rows. A fixed cut (16 rows) left batched int4 decode on bigger models at about half its speed. So each
+at 4 rows. A fixed cut (16 rows) kept bigger models' layers on the slower kernel from a few rows on (int4
+at 16 rows: 2.2x fbgemm's time per layer there). So each
 distinct (method, shape, dtype) is timed once at load at ROWS rows, both ways, and its layers stream up to the
 largest row count (from 1, without a gap) at which fbgemm is not clearly (MARGIN) faster.
 
