@@ -5,6 +5,7 @@ import torch
 
 from leverlab.layers import cpu_kernels
 from leverlab.layers.attention import attention_impl
+from tests.engine.helpers import span_batch
 
 
 # head_dim 32 takes the generic loops; 128 in bfloat16 the AVX-512 path where the CPU has one
@@ -37,17 +38,11 @@ def test_kernel_matches_pytorch_path_for_query_spans(monkeypatch, dtype, tol, wi
         pytest.skip("no C++ compiler here: the engine uses the PyTorch path")
     g = torch.Generator().manual_seed(1)
     nb, bs, kvh, h = 40, 4, 2, 6
-    lens = torch.tensor([1, 9, 13, 5, 16, 4])
+    lens = [1, 9, 13, 5, 16, 4]
     spans = [1, 4, 5, 1, 3, 4]  # queries per sequence: the last `span` positions of its context
-    b, t = len(lens), sum(spans)
     kc, vc = (torch.randn(nb, bs, kvh, d, generator=g).to(dtype) for _ in range(2))
-    tables = torch.stack([torch.randperm(nb, generator=g)[:4] for _ in range(b)])
-    q = torch.randn(t, h, d, generator=g).to(dtype)
-    k, v = (torch.randn(t, kvh, d, generator=g).to(dtype) for _ in range(2))
-    slots = torch.tensor([int(tables[i, p // bs]) * bs + p % bs
-                          for i in range(b) for p in range(int(lens[i]) - spans[i], int(lens[i]))])
-    qsl = torch.tensor([0, *torch.tensor(spans).cumsum(0).tolist()])
-    args = (slots, tables, lens, qsl, 0.3)
+    q, k, v, *meta = span_batch(g, lens, spans, nb, bs, 4, h, kvh, d, dtype)
+    args = (*meta, 0.3)
     ours = attention_impl(q, k, v, kc.clone(), vc.clone(), *args, window=window)
     monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
     ref = attention_impl(q, k, v, kc.clone(), vc.clone(), *args, window=window)
@@ -80,17 +75,11 @@ def test_tiled_long_spans_match_pytorch_path(monkeypatch, dtype, tol, window, d)
         pytest.skip("no tiled attention in this build: prefill chunks take SDPA")
     g = torch.Generator().manual_seed(4)
     nb, bs, kvh, h = 64, 16, 2, 6
-    lens = torch.tensor([70, 150, 33, 9])
+    lens = [70, 150, 33, 9]
     spans = [70, 61, 1, 9]  # from scratch; 89 cached + 61 new; a decode; a short prompt
-    b, t = len(lens), sum(spans)
     kc, vc = (torch.randn(nb, bs, kvh, d, generator=g).to(dtype) for _ in range(2))
-    tables = torch.stack([torch.randperm(nb, generator=g)[:10] for _ in range(b)])
-    q = torch.randn(t, h, d, generator=g).to(dtype)
-    k, v = (torch.randn(t, kvh, d, generator=g).to(dtype) for _ in range(2))
-    slots = torch.tensor([int(tables[i, p // bs]) * bs + p % bs
-                          for i in range(b) for p in range(int(lens[i]) - spans[i], int(lens[i]))])
-    qsl = torch.tensor([0, *torch.tensor(spans).cumsum(0).tolist()])
-    args = (slots, tables, lens, qsl, d**-0.5)
+    q, k, v, *meta = span_batch(g, lens, spans, nb, bs, 10, h, kvh, d, dtype)
+    args = (*meta, d**-0.5)
     kc2, vc2 = kc.clone(), vc.clone()
     ours = attention_impl(q, k, v, kc, vc, *args, window=window)
     monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)

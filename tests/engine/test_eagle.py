@@ -13,6 +13,7 @@ from leverlab.cli import main
 from leverlab.models.config import ModelConfig
 from leverlab.spec.eagle_head import load_head
 from tests.checkpoints import make_eagle_head as random_head
+from tests.engine.helpers import assert_all_free
 
 PROMPTS = [[5, 6, 7, 8] * 6, list(range(30, 60)), [9, 10] * 9 + [11], [3] * 5, list(range(100, 104)) * 3]
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)
@@ -48,14 +49,6 @@ def trained_head(target, tmp_path_factory):
 def plain(target):
     return LLM(target, dtype="float32").generate(PROMPTS, GREEDY)
 
-
-def assert_all_free(llm):
-    eng = llm.engine
-    eng.check_invariants()
-    assert eng.blocks.num_free == eng.blocks.num_blocks, "target KV blocks leaked"
-    head = eng.proposer
-    assert head.blocks.num_free == head.blocks.num_blocks, "head KV blocks leaked"
-    assert not head.states, "head state kept for finished sequences"
 
 
 def tokens(outs):

@@ -13,6 +13,7 @@ from leverlab.errors import UnsupportedLever
 from leverlab.spec.eagle3_format import export_speculators, read_foreign_config
 from leverlab.spec.eagle_head import load_head
 from tests.checkpoints import make_eagle_head, make_speculators_eagle3
+from tests.engine.helpers import assert_all_free
 
 PROMPTS = [[5, 6, 7, 8] * 6, list(range(30, 60)), [9, 10] * 9 + [11], [3] * 5]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -46,14 +47,6 @@ def record_drafts(llm) -> list[list[int]]:
     prop.propose = propose
     return seen
 
-
-def assert_all_free(llm):
-    eng = llm.engine
-    eng.check_invariants()
-    assert eng.blocks.num_free == eng.blocks.num_blocks, "target KV blocks leaked"
-    head = eng.proposer
-    assert head.blocks.num_free == head.blocks.num_blocks, "head KV blocks leaked"
-    assert not head.states
 
 
 @pytest.mark.parametrize("layout", ["speculators-llama", "speculators-qwen3", "original"])

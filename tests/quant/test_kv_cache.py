@@ -6,6 +6,7 @@ import torch
 from leverlab import LLM, SamplingParams
 from leverlab.layers.attention import attention_impl
 from leverlab.quant import kv_cache as kvq
+from tests.engine.helpers import span_batch
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8"])
@@ -94,20 +95,14 @@ def test_cpp_kernel_over_int8_cache_matches_the_gather_path(monkeypatch, d, dtyp
         pytest.skip("no C++ compiler here: the engine uses the PyTorch path")
     g = torch.Generator().manual_seed(3)
     nb, bs, kvh, h = 40, 4, 2, 6
-    lens = torch.tensor([1, 9, 13, 5, 16, 4])
+    lens = [1, 9, 13, 5, 16, 4]
     spans = [1, 4, 5, 1, 1, 2]
-    b, t = len(lens), sum(spans)
     caches, scales = kvq.allocate("int8", dtype, 1, nb, bs, kvh, d, "cpu")
     (kc, vc), (ks, vs) = caches[0], scales[0]
     for c, s in ((kc, ks), (vc, vs)):  # a filled context to attend over
         kvq.write(c, s, torch.randn(nb * bs, kvh, d, generator=g), torch.arange(nb * bs))
-    tables = torch.stack([torch.randperm(nb, generator=g)[:4] for _ in range(b)])
-    q = torch.randn(t, h, d, generator=g).to(dtype)
-    k, v = (torch.randn(t, kvh, d, generator=g).to(dtype) for _ in range(2))
-    slots = torch.tensor([int(tables[i, p // bs]) * bs + p % bs
-                          for i in range(b) for p in range(int(lens[i]) - spans[i], int(lens[i]))])
-    qsl = torch.tensor([0, *torch.tensor(spans).cumsum(0).tolist()])
-    args = (slots, tables, lens, qsl, 0.3)
+    q, k, v, *meta = span_batch(g, lens, spans, nb, bs, 4, h, kvh, d, dtype)
+    args = (*meta, 0.3)
     state = [x.clone() for x in (kc, vc, ks, vs)]
     ours = attention_impl(q, k, v, kc, vc, *args, k_scale=ks, v_scale=vs, window=window)
     monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
