@@ -56,13 +56,6 @@ inline const float* as_float<c10::BFloat16>(const c10::BFloat16* src, float* buf
   return buf;
 }
 
-// A cache row into `dst` as float32, whatever its dtype.
-template <typename T>
-inline void as_float_into(const T* src, float* dst, int64_t n) {
-  const float* f = as_float(src, dst, n);
-  if (f != dst) std::memcpy(dst, f, n * sizeof(float));
-}
-
 // One head's K (or V) rows sit KVH * D elements apart, too far for the hardware prefetcher to follow: fetched
 // on demand, each position waited a memory latency (measured: 95 ns per position, 1.8 ms per layer for 16
 // sequences of 150 tokens). So pass 1 requests rows kAhead positions early.
@@ -481,18 +474,6 @@ inline void score_row_8(TiledBuffers& tb, int64_t D, int64_t W, int64_t lo8, int
   }
 }
 
-// Row `off` of a cache as float32 (int8 rows dequantized with their scale).
-template <typename C>
-inline void widen_row(const C* base, const float* scales, int64_t off, int64_t D, float* dst) {
-  if constexpr (std::is_same_v<C, int8_t>) {
-    const float s = scales[off / D];
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(base[off + d]) * s;
-  } else {
-    as_float_into(base + off, dst, D);
-  }
-}
-
 template <typename T, typename C>
 void item_tiled(const T* qp, const C* kp, const C* vp, const float* ksc, const float* vsc, T* op,
                 const Layout& lay, const Item& it, Buffers& buf, TiledBuffers& tb) {
@@ -501,10 +482,12 @@ void item_tiled(const T* qp, const C* kp, const C* vp, const float* ksc, const f
   tb.vf.resize(L * D);
   std::vector<float> row(D);
   for (int64_t i = 0; i < L; ++i) {
-    widen_row(kp, ksc, buf.offs[i], D, row.data());
+    const float* kf = row_as_float(kp, ksc, buf.offs[i], D, row.data());
     float* t = tb.kt.data() + (i / 8) * D * 8 + i % 8;
-    for (int64_t d = 0; d < D; ++d) t[d * 8] = row[d];
-    widen_row(vp, vsc, buf.offs[i], D, tb.vf.data() + i * D);
+    for (int64_t d = 0; d < D; ++d) t[d * 8] = kf[d];
+    float* vdst = tb.vf.data() + i * D;
+    const float* vf = row_as_float(vp, vsc, buf.offs[i], D, vdst);
+    if (vf != vdst) std::memcpy(vdst, vf, D * sizeof(float));  // a float32 cache's row, used in place
   }
   for (int64_t j0 = 0; j0 < it.nq; j0 += kQT) {
     const int64_t j1 = std::min(it.nq, j0 + kQT), R = (j1 - j0) * G;
