@@ -239,8 +239,7 @@ class LLMEngine:
         t0 = time.monotonic()
         i = seq.index
         state = req.detok[i]
-        ids = self.detokenizer.window(req.prompt_token_ids, seq.output_token_ids)
-        new = self.detokenizer.step(state, ids, p.skip_special_tokens)
+        new = self.detokenizer.step(state, req.prompt_token_ids, seq.output_token_ids, p.skip_special_tokens)
         if p.stop and new and seq.finish_reason is None and out_len >= p.min_tokens:
             hit = find_stop(state.text, len(new), p.stop)
             if hit:
