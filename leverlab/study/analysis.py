@@ -151,7 +151,7 @@ def analyze(out_dir: Path) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - e.g. a GGUF file: no HF config to read
         state["predict_error"] = str(e)
     preds: dict[str, Any] = {}
-    wl = json.loads(Path(state["workload"]).read_text())["buckets"] if state.get("workload") else {}
+    wl = _workload(out_dir, state)
     ctx_bucket = wl.get(sweep_bucket) or next(iter(wl.values()), {"input_tokens": 0, "output_len": 0})
     context = ctx_bucket.get("input_tokens", 0) + ctx_bucket.get("output_len", 0) / 2
     if facts is not None:
@@ -209,6 +209,15 @@ def engine_table() -> dict[str, dict[str, Any]]:
         except Exception as ex:  # noqa: BLE001
             out[name] = {"installed": f"adapter failed: {ex}", "capabilities": {}}
     return out
+
+
+def _workload(out_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """The study's prompt set: its own copy in the folder first (study.json's path may be relative to where the
+    study ran, and folders move: `study compare` reads two of them)."""
+    for p in (out_dir / "workload.json", Path(state.get("workload") or "")):
+        if p.is_file():
+            return json.loads(p.read_text())["buckets"]
+    return {}
 
 
 def _load_fid(out_dir: Path, name: str) -> dict[str, Any] | None:
