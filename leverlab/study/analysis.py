@@ -101,10 +101,13 @@ def config_metrics(summary: dict[str, Any], sweep_bucket: str) -> dict[str, Any]
     return m
 
 
-def analyze(out_dir: Path) -> dict[str, Any]:
+def analyze(out_dir: Path, price_per_hour: float | None = None) -> dict[str, Any]:
+    """price_per_hour: USD per device-hour for the cost figures (default: the one the study ran with, if any)."""
     from leverlab.study import findings, predict, recommend
 
     state = json.loads((out_dir / "study.json").read_text())
+    if price_per_hour is None:
+        price_per_hour = state.get("price_per_hour")
     steps = load_steps(state)
     plan = state["plan"]
     sweep_bucket = plan.get("sweep_bucket", "medium")
@@ -176,6 +179,7 @@ def analyze(out_dir: Path) -> dict[str, Any]:
         preds = predict.predict_all(rows, facts, state["bandwidth_gbs"], context, batch=cmax)
     for c in configs:
         c["prediction"] = preds.get(c["name"])
+        c["usd_per_mtok"] = recommend.usd_per_million_tokens(c, price_per_hour)
     result = {
         "model": state["model"],
         "engine": state["engine"],
@@ -190,6 +194,7 @@ def analyze(out_dir: Path) -> dict[str, Any]:
         "started": state.get("started"),
         "finished": state.get("finished"),
         "elapsed_s": state.get("elapsed_s"),
+        "price_per_hour": price_per_hour,
     }
     result["engines"] = engine_table()
     result["findings"] = findings.check_all(result)

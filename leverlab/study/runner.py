@@ -315,6 +315,9 @@ def run_study(
         state.data["bandwidth_threads"] = threads
     progress.say(f"memory bandwidth {state.data['bandwidth_gbs']:.1f} GB/s")
     state.save()
+    made = engine.prepare(model, plan, workload, progress.say)  # cached: cheap again on resume
+    if made:
+        state.data["engine_files"] = made
     fid_prompts = fidelity_prompts(workload, plan.fidelity_prompts)
     steps = [s for s in plan.steps if only is None or only(s)]
     for i, step in enumerate(steps, 1):

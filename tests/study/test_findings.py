@@ -238,3 +238,22 @@ def test_recommendations_skip_bugs_and_name_a_faithful_alternative():
     assert recs["highest throughput"]["config"] == "int4"
     assert recs["lowest cost per token"]["value"] == 5.0  # 1000 / 200 device-seconds per 1k tokens
     assert "tp" in recs["note"]["text"]
+
+
+def test_cost_in_dollars_per_million_tokens_with_a_price():
+    """$/M tokens = devices x $/hour / 3600 / (output tokens/s) x 1e6; a TP=2 configuration pays for two."""
+    from leverlab.study.recommend import usd_per_million_tokens
+
+    base = cfg("b", None, None, Levers(), e2e_p50_s=2.0, rps_cmax=1.0, out_tok_s_cmax=100.0, c_max=16)
+    tp2 = cfg("tp2", "b", "tensor_parallel", Levers(tensor_parallel_size=2), e2e_p50_s=1.0, rps_cmax=1.5,
+              out_tok_s_cmax=150.0, c_max=16)
+    assert usd_per_million_tokens(base, 3.6) == 10.0  # $0.001/s over 100 tok/s
+    assert abs(usd_per_million_tokens(tp2, 3.6) - 2 * 0.001 / 150 * 1e6) < 1e-9
+    assert usd_per_million_tokens(base, None) is None
+    recs = {r["goal"]: r for r in recommend({"configs": [base, tp2], "price_per_hour": 3.6})}
+    cost = recs["lowest cost per token"]
+    assert cost["config"] == "b" and cost["value"] == 10.0
+    assert "$10.00 per million output tokens" in cost["text"] and "$3.6 per device-hour" in cost["text"]
+    # without a price: device-seconds, as before
+    recs = {r["goal"]: r for r in recommend({"configs": [base, tp2]})}
+    assert "device-seconds" in recs["lowest cost per token"]["text"]

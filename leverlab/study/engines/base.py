@@ -93,6 +93,12 @@ class Engine:
         """None when the engine can run here, else why not ("not installed: ...")."""
         return None
 
+    def prepare(self, model: str, plan, workload: Path, say=print) -> dict:
+        """Once per study, before the first configuration: files the engine needs made from the model (llama.cpp:
+        GGUF per precision). Returns what it made, for study.json. Failures are kept for the configurations
+        they concern (start() reports them), never raised."""
+        return {}
+
     def unsupported(self, levers: Levers) -> dict[str, str]:
         """lever -> why this engine cannot express the value this configuration asks for."""
         return {}

@@ -33,6 +33,19 @@ class LeverLabEngine(Engine):
         self.execution_mode = execution_mode
         self.max_num_batched_tokens = max_num_batched_tokens
 
+    def prepare(self, model: str, plan, workload: Path, say=print) -> dict:
+        """The C++ kernels built here, once, before any server starts: a first build takes 1-3 minutes (more on
+        a loaded machine) and would otherwise fall inside the first server's health timeout, and a server killed
+        mid-build makes the next one start over."""
+        import time
+
+        from leverlab.layers.cpu_kernels import kernels
+
+        t0 = time.monotonic()
+        say("LeverLab: loading the CPU kernels (built on first use: 1-3 minutes, once)")
+        ok = kernels() is not None
+        return {"cpu_kernels": ok, "setup_s": time.monotonic() - t0}
+
     def precheck(self, model: str, levers: Levers) -> str | None:
         """EngineConfig's own validation (what `leverlab serve` checks first): refusals without a server start."""
         from leverlab.config import EngineConfig

@@ -21,8 +21,8 @@ def build(a: dict[str, Any], plots: dict[str, Path]) -> Doc:
     return d
 
 
-def write_report(out_dir: Path) -> dict[str, Any]:
-    a = analyze(out_dir)
+def write_report(out_dir: Path, price_per_hour: float | None = None) -> dict[str, Any]:
+    a = analyze(out_dir, price_per_hour)
     plots = write_plots(a, out_dir / "plots")
     doc = build(a, plots)
     (out_dir / "report.md").write_text(doc.markdown(out_dir))

@@ -24,6 +24,7 @@ class View:
     sweep_bucket: str
     workload: dict[str, Any]
     plots: dict[str, Path]
+    price: float | None  # USD per device-hour (--price-per-hour): the cost column when given
 
     @classmethod
     def of(cls, a: dict[str, Any], plots: dict[str, Path]) -> View:
@@ -35,6 +36,7 @@ class View:
             plan.get("sweep_bucket", "medium"),
             a.get("workload") or {},
             plots,
+            a.get("price_per_hour"),
         )
 
 
@@ -80,7 +82,15 @@ def progression(d: Doc, a: dict[str, Any], view: View) -> None:
     configs = view.configs
     cmax = view.cmax
     d.h(2, "Progression")
-    d.p("Each row changes one lever from the configuration named in *vs*. Fidelity is against the baseline.")
+    d.p(
+        "Each row changes one lever from the configuration named in *vs*. Fidelity is against the baseline."
+        + (
+            f" Cost: dollars per million output tokens at the configuration's measured output rate at "
+            f"concurrency {cmax}, at ${view.price:g} per device-hour (a TP=2 configuration pays for two)."
+            if view.price
+            else ""
+        )
+    )
     rows = []
     for c in configs:
         m, f, p = _m(c), c.get("fidelity") or {}, c.get("prediction") or {}
@@ -97,6 +107,7 @@ def progression(d: Doc, a: dict[str, Any], view: View) -> None:
                 fmt(m.get("decode_tok_s"), ".1f"),
                 fmt(p.get("calibrated_tok_s") or p.get("roofline_tok_s"), ".1f") if p else "–",
                 fmt(m.get("rps_cmax"), ".3f"),
+                *([fmt(c.get("usd_per_mtok"), ".2f")] if view.price else []),
                 pct(agr.get("share_identical")) if agr else "–",
                 fmt(agr.get("mean_first_divergence"), ".1f") if agr else "–",
                 fmt(f.get("perplexity"), ".2f"),
@@ -115,6 +126,7 @@ def progression(d: Doc, a: dict[str, Any], view: View) -> None:
             "decode tok/s",
             "predicted tok/s (calibrated)",
             f"req/s @c{cmax}",
+            *([f"$ / M tokens @c{cmax}"] if view.price else []),
             "greedy identical",
             "first divergence",
             "perplexity",
