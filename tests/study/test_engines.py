@@ -59,6 +59,24 @@ def test_vllm_flags_and_gaps():
     assert cmd[2] == "Qwen/Qwen3-8B-AWQ" and "--quantization" not in cmd
 
 
+def test_vllm_speculative_config_has_vllms_keys_only():
+    """vLLM's SpeculativeConfig: ngram needs prompt_lookup_max; keys it does not know are never passed."""
+    e = get_engine("vllm")
+    spec = json.loads(_flag(e.command("m", Levers(speculative=NGRAM), 9), "--speculative-config"))
+    assert spec == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    own = {**NGRAM, "prompt_lookup_max": 3, "draft_tensor_parallel_size": 1, "adaptive": False}
+    spec = json.loads(_flag(e.command("m", Levers(speculative=own), 9), "--speculative-config"))
+    assert spec["prompt_lookup_max"] == 3 and "adaptive" not in spec and spec["draft_tensor_parallel_size"] == 1
+    draft = {"method": "draft_model", "model": "org/small", "num_speculative_tokens": 5}
+    assert json.loads(_flag(e.command("m", Levers(speculative=draft), 9), "--speculative-config")) == draft
+    assert "disable_by_batch_size" in e.unsupported(Levers(speculative={**NGRAM, "disable_by_batch_size": 8}))[
+        "speculation"
+    ]
+    cmd = e.command("m", Levers(), 9)
+    assert "--data-parallel-size" not in cmd and "--quantization" not in cmd and "--kv-cache-dtype" not in cmd
+    assert "--no-enable-prefix-caching" in e.command("m", Levers(prefix_caching=False), 9)
+
+
 def test_llamacpp_server_flags(monkeypatch):
     """Flags as this llama-server (llama-cpp-python 0.3.36's llama.cpp) names them: --draft-max is gone there."""
     e = get_engine("llamacpp", gguf={"bfloat16": "m-bf16.gguf", "int8": "m-q8.gguf"}, draft_gguf="d.gguf", threads=1)
