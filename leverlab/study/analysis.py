@@ -194,6 +194,7 @@ def analyze(out_dir: Path, price_per_hour: float | None = None) -> dict[str, Any
         "started": state.get("started"),
         "finished": state.get("finished"),
         "elapsed_s": state.get("elapsed_s"),
+        "setup_s": state.get("setup_s"),
         "price_per_hour": price_per_hour,
     }
     result["engines"] = engine_table()

@@ -138,9 +138,21 @@ class Plan:
     warmup: int = 2
     fidelity_prompts: int = 4  # prompts for the fidelity pass
     fidelity_tokens: int = 64  # greedy tokens compared per prompt
+    # Where speculation's exactness (spec on vs off, float32) is checked: "every" speculative configuration, or
+    # only the "speculation" steps (those that change it). A step changing another lever under speculation
+    # (int4 + EAGLE) keeps its parent's check; its float32 pair is the run's most expensive part (int4 has
+    # no float32 kernel: ~65 s each), which the short plan skips and --full keeps.
+    exactness: str = "every"
 
     def __post_init__(self) -> None:
         validate(self.steps)
+        if self.exactness not in ("every", "speculation"):
+            raise PlanError(f"exactness is 'every' or 'speculation', got {self.exactness!r}")
+
+    def checks_exactness(self, step: Step) -> bool:
+        if not step.levers.speculative:
+            return False
+        return self.exactness == "every" or step.lever == "speculation"
 
     def step(self, name: str) -> Step:
         for s in self.steps:
@@ -246,11 +258,21 @@ def _reference_steps(b: PlanBuilder, *, full: bool) -> PlanBuilder:
 
 
 def default_plan() -> Plan:
-    """The short plan (~10 min on 2 cores with the bundled model): the reference progression, 4 prompts per
-    bucket (with 2, single slow requests flipped findings between runs), output lengths halved (the 1:4
-    ratio of medium to decode kept), concurrency 1, 4, 16."""
+    """The short plan (~5 min of study time on 2 cores with the bundled model, kernels built): the reference
+    progression, 4 prompts per bucket (with 2, single slow requests flipped findings between runs), output
+    lengths halved (the 1:4 ratio of medium to decode kept), concurrency 1, 4, 16, one warm-up request, and
+    speculation's exactness checked where a step changes speculation (see Plan.exactness)."""
     b = _reference_steps(PlanBuilder(note="bfloat16 weights and KV cache"), full=False)
-    return Plan("default", b.steps, num_prompts=4, output_scale=0.5, concurrency=[1, 4, 16], sweep_rounds=1)
+    return Plan(
+        "default",
+        b.steps,
+        num_prompts=4,
+        output_scale=0.5,
+        concurrency=[1, 4, 16],
+        sweep_rounds=1,
+        warmup=1,
+        exactness="speculation",
+    )
 
 
 def full_plan() -> Plan:
@@ -310,6 +332,7 @@ PLAN_KEYS = {
     "warmup",
     "fidelity_prompts",
     "fidelity_tokens",
+    "exactness",
 }
 
 

@@ -54,7 +54,9 @@ def header(d: Doc, a: dict[str, Any], view: View) -> None:
         f"{fmt(a.get('bandwidth_gbs'), '.1f')} GB/s"
         + (f" ({a['bandwidth_threads']} thread(s), as the engine runs)" if a.get("bandwidth_threads") else "")
         + f". Started {a.get('started')}, finished {a.get('finished') or '–'}"
-        + (f" ({fmt((a.get('elapsed_s') or 0) / 60, '.1f')} min)." if a.get("elapsed_s") else ".")
+        + (f" ({fmt((a.get('elapsed_s') or 0) / 60, '.1f')} min" if a.get("elapsed_s") else "")
+        + (f"; one-time setup {fmt(a.get('setup_s'), '.0f')} s apart" if a.get("setup_s") and a.get("elapsed_s") else "")
+        + (")." if a.get("elapsed_s") else ".")
     )
     d.p(
         "Workload: "
@@ -288,7 +290,11 @@ def fidelity(d: Doc, a: dict[str, Any], view: View) -> None:
                 fmt(f.get("perplexity"), ".3f") + " / " + fmt(f.get("perplexity_baseline"), ".3f"),
                 fmt(kl.get("mean"), ".5f"),
                 fmt(kl.get("max"), ".4f"),
-                "–"
+                (
+                    "not checked here (the short plan checks it where speculation changes; --full everywhere)"
+                    if c["levers"].speculative
+                    else "–"
+                )
                 if ex is None
                 else (
                     f"exact ({ex['identical']}/{ex['n']})"
