@@ -176,7 +176,9 @@ def analyze(out_dir: Path, price_per_hour: float | None = None) -> dict[str, Any
                 }
             )
         cmax = max(plan.get("concurrency") or [1])
-        preds = predict.predict_all(rows, facts, state["bandwidth_gbs"], context, batch=cmax)
+        preds = predict.predict_all(
+            rows, facts, state["bandwidth_gbs"], context, batch=cmax, facts_of=_facts_of(facts, predict)
+        )
     for c in configs:
         c["prediction"] = preds.get(c["name"])
         c["usd_per_mtok"] = recommend.usd_per_million_tokens(c, price_per_hour)
@@ -201,6 +203,23 @@ def analyze(out_dir: Path, price_per_hour: float | None = None) -> dict[str, Any
     result["findings"] = findings.check_all(result)
     result["recommendations"] = recommend.recommend(result)
     return result
+
+
+def _facts_of(facts, predict):
+    """Levers -> the facts of the model they serve (the model lever's folder; else the study's)."""
+    from leverlab.study.engines.leverlab import resolve
+
+    cache: dict[str, Any] = {}
+
+    def of(lv: Levers):
+        if not lv.model:
+            return facts
+        if lv.model not in cache:
+            path = resolve(lv.model)
+            cache[lv.model] = predict.ModelFacts.from_folder(str(path)) if path else facts
+        return cache[lv.model]
+
+    return of
 
 
 def engine_table() -> dict[str, dict[str, Any]]:

@@ -10,6 +10,11 @@ Levers and the fields they own (a lever is the unit of "one change"):
   prefix_caching   automatic prefix caching on/off           true / false
   tensor_parallel  tensor-parallel degree                    1, 2, 4
   batch_policy     max_num_seqs (sequences per step)         16, 64
+  batching         how requests meet the server              "continuous" (default), "static" (waves of N =
+                                                             the concurrency; a client-side workload)
+  model            right-sizing: serve another model         a folder of the same family ("models/...-draft")
+Adding a lever: its name in LEVERS, its field on Levers, and one entry in each of lever_values / with_lever /
+describe (and parse_value for --steps); engines say what they cannot express in unsupported().
 Plans come from code (default_plan / full_plan / tiny_plan) or a YAML/TOML file (load_plan).
 """
 
@@ -21,7 +26,17 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-LEVERS = ("precision", "kv_cache_dtype", "speculation", "prefix_caching", "tensor_parallel", "batch_policy")
+LEVERS = (
+    "precision",
+    "kv_cache_dtype",
+    "speculation",
+    "prefix_caching",
+    "tensor_parallel",
+    "batch_policy",
+    "batching",
+    "model",
+)
+BATCHING = ("continuous", "static")
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -40,6 +55,8 @@ class Levers:
     prefix_caching: bool = True
     tensor_parallel_size: int = 1
     max_num_seqs: int = 64
+    batching: str = "continuous"  # "static": the harness sends waves (bench/strategies.py static_batches)
+    model: str | None = None  # None: the study's model; else a smaller model of its family (right-sizing)
 
     def lever_values(self) -> dict[str, Any]:
         """Lever name -> the value that lever owns (what 'changes one lever' compares)."""
@@ -50,6 +67,8 @@ class Levers:
             "prefix_caching": self.prefix_caching,
             "tensor_parallel": self.tensor_parallel_size,
             "batch_policy": self.max_num_seqs,
+            "batching": self.batching,
+            "model": self.model,
         }
 
     def changed_levers(self, other: Levers) -> list[str]:
@@ -82,6 +101,16 @@ class Levers:
             return replace(self, tensor_parallel_size=int(value))
         if lever == "batch_policy":
             return replace(self, max_num_seqs=int(value))
+        if lever == "batching":
+            if value not in BATCHING:
+                raise PlanError(f"batching is one of {', '.join(BATCHING)}, got {value!r}")
+            return replace(self, batching=value)
+        if lever == "model":
+            if value in (None, "", "none"):
+                return replace(self, model=None)
+            if not isinstance(value, str):
+                raise PlanError(f"model is a model folder, got {value!r}")
+            return replace(self, model=value)
         raise PlanError(f"unknown lever {lever!r}; levers: {', '.join(LEVERS)}")
 
     def precision_label(self) -> str:
@@ -106,6 +135,10 @@ class Levers:
             return "on" if self.prefix_caching else "off"
         if lever == "tensor_parallel":
             return f"TP={self.tensor_parallel_size}"
+        if lever == "batching":
+            return "static batches (N = concurrency)" if self.batching == "static" else "continuous"
+        if lever == "model":
+            return Path(self.model).name if self.model else "the study's model"
         return f"max_num_seqs={self.max_num_seqs}"
 
 
@@ -254,6 +287,20 @@ def _reference_steps(b: PlanBuilder, *, full: bool) -> PlanBuilder:
             "baseline-tp2", "tensor_parallel", 2, parent="baseline", note="tensor parallel on the baseline"
         )
         b.step("max-seqs-4", "batch_policy", 4, parent="baseline", note="at most 4 sequences per step")
+        b.step(
+            "static-batching",
+            "batching",
+            "static",
+            parent="baseline",
+            note="static batches: requests wait for a full batch, which runs to its longest member",
+        )
+        b.step(
+            "smaller-model",
+            "model",
+            DRAFT_MODEL_DIR,
+            parent="baseline",
+            note="right-sizing: the family's smaller model (the draft) served instead",
+        )
     return b
 
 
@@ -403,4 +450,4 @@ def parse_value(lever: str, value: str) -> Any:
         return value.lower() in ("on", "true")
     if lever in ("tensor_parallel", "batch_policy"):
         return int(value)
-    return value
+    return value  # precision, kv_cache_dtype, batching, model: as written

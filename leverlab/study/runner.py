@@ -186,6 +186,7 @@ def run_config(
             sweep_rounds=plan.sweep_rounds,
             warmup=plan.warmup,
             extra_body=engine.extra_body(step.levers),
+            batching=step.levers.batching,
             out_dir=str(cfg_dir / "bench"),
         )
         res = run_benchmark(bench_cfg, progress.bench_progress())
@@ -212,10 +213,11 @@ def run_config(
     if engine.fidelity_mode == "inprocess" and rec["status"] == "done":
         progress.say("  fidelity pass (in-process)")
         try:
+            from leverlab.study.engines.base import served_model
             from leverlab.study.fidelity import collect_inprocess
 
             fid = collect_inprocess(
-                model,
+                served_model(model, step.levers),
                 asdict(step.levers),
                 fid_prompts,
                 plan.fidelity_tokens,

@@ -186,7 +186,7 @@ def test_multiply_compares_the_same_change_on_two_parents():
 
 def test_check_all_never_raises():
     out = F.check_all({"configs": [cfg("b", None, None, Levers(), "failed")], "bandwidth_gbs": 10.0})
-    assert len(out) == 8 and all(
+    assert len(out) == 10 and all(
         f["status"] in (F.REPRODUCED, F.PARTLY, F.NOT_REPRODUCED, F.NOT_TESTED) for f in out
     )
 
@@ -257,3 +257,24 @@ def test_cost_in_dollars_per_million_tokens_with_a_price():
     # without a price: device-seconds, as before
     recs = {r["goal"]: r for r in recommend({"configs": [base, tp2]})}
     assert "device-seconds" in recs["lowest cost per token"]["text"]
+
+
+def test_batching_finding_compares_static_with_continuous_at_the_top_concurrency():
+    sweep = lambda p50: {16: {"e2e_p50_s": p50}}  # noqa: E731
+    base = cfg("b", None, None, Levers(), rps_cmax=2.0, c_max=16, sweep=sweep(1.0))
+    st = cfg("st", "b", "batching", Levers(batching="static"), rps_cmax=1.5, c_max=16, sweep=sweep(1.6))
+    f = F.check_batching({"configs": [base, st]})
+    assert f["status"] == F.REPRODUCED and "2.000 req/s" in f["evidence"] and "1.500 req/s" in f["evidence"]
+    st["metrics"]["rps_cmax"] = 2.0
+    assert F.check_batching({"configs": [base, st]})["status"] == F.PARTLY
+    assert F.check_batching({"configs": [base]})["status"] == F.NOT_TESTED
+
+
+def test_model_finding_reports_speed_and_fidelity():
+    base = cfg("b", None, None, Levers(), decode_tok_s=100.0)
+    small = cfg("small", "b", "model", Levers(model="models/leverlab-code-draft"), decode_tok_s=250.0)
+    small["fidelity"] = {"agreement": {"share_identical": 0.25, "identical": 1, "n": 4}}
+    f = F.check_model({"configs": [base, small]})
+    assert f["status"] == F.REPRODUCED and "decode 2.50x" in f["evidence"] and "1/4 greedy" in f["evidence"]
+    small["metrics"]["decode_tok_s"] = 99.0
+    assert F.check_model({"configs": [base, small]})["status"] == F.NOT_REPRODUCED

@@ -82,6 +82,16 @@ class ServerHandle:
         return self.proc.returncode
 
 
+def served_model(model: str, levers: Levers) -> str:
+    """The model a configuration serves: the study's, or the model lever's folder (right-sizing), found from
+    the repository root too as plans name models/... ."""
+    if not levers.model:
+        return model
+    from leverlab.study.engines.leverlab import resolve
+
+    return str(resolve(levers.model) or levers.model)
+
+
 class Engine:
     name = "engine"
     health_path = "/health"

@@ -62,6 +62,7 @@ class LlamaCppEngine(Engine):
         self.gguf = dict(gguf or {})
         self.draft_gguf = draft_gguf  # one file for every draft step; else converted per precision
         self.drafts: dict[tuple[str, str], str] = {}  # (draft folder, precision) -> GGUF, from prepare()
+        self.models: dict[tuple[str, str], str] = {}  # (model lever folder, precision) -> GGUF, from prepare()
         self.errors: dict[str, str] = {}  # precision or draft -> why its file could not be made
         self.slot_ctx = n_ctx
         self.max_slots: int | None = None
@@ -106,7 +107,12 @@ class LlamaCppEngine(Engine):
             and s.levers.precision_label() in PRECISIONS
             and not self.draft_gguf
         }
-        if not todo and not drafts:
+        others = {
+            (s.levers.model, s.levers.precision_label())
+            for s in plan.steps
+            if s.levers.model and s.levers.precision_label() in PRECISIONS
+        }
+        if not todo and not drafts and not others:
             return {}
         t0 = time.monotonic()
         made = {"gguf": {}, "draft_gguf": {}}
@@ -118,6 +124,11 @@ class LlamaCppEngine(Engine):
             if prec in got:
                 self.drafts[(folder, prec)] = got[prec]
                 made["draft_gguf"][f"{folder}@{prec}"] = got[prec]
+        for folder, prec in sorted(others):
+            got = self._convert(folder, [prec], p_key=f"model {folder}")
+            if prec in got:
+                self.models[(folder, prec)] = got[prec]
+                made["gguf"][f"{folder}@{prec}"] = got[prec]
         made["setup_s"] = time.monotonic() - t0
         say(f"llama.cpp: GGUF files ready in {made['setup_s']:.0f} s")
         return made
@@ -150,6 +161,10 @@ class LlamaCppEngine(Engine):
         return {p: str(paths[PRECISIONS[p]]) for p in precisions}
 
     def _model_file(self, model: str, levers: Levers) -> str | None:
+        if levers.model:
+            return self.models.get((levers.model, levers.precision_label())) or (
+                levers.model if levers.model.endswith(".gguf") else None
+            )
         return self.gguf.get(levers.precision_label()) or (model if model.endswith(".gguf") else None)
 
     def _draft_file(self, levers: Levers) -> str | None:
@@ -161,7 +176,9 @@ class LlamaCppEngine(Engine):
     def unsupported(self, levers: Levers) -> dict[str, str]:
         gaps: dict[str, str] = {}
         prec = levers.precision_label()
-        if self._model_file("", levers) is None and prec not in self.errors:
+        if levers.model and self._model_file("", levers) is None and f"model {levers.model}" not in self.errors:
+            gaps["model"] = f"no GGUF file of {levers.model} at {prec}"
+        elif not levers.model and self._model_file("", levers) is None and prec not in self.errors:
             gaps["precision"] = (
                 f"no llama.cpp file type for {prec} (GGUF made for {', '.join(PRECISIONS)}; "
                 f"or pass --gguf {prec}=FILE)"
@@ -194,7 +211,11 @@ class LlamaCppEngine(Engine):
     def start(self, model: str, levers: Levers, log_path: Path, timeout: float = 300.0) -> ServerHandle:
         """A file the study should have made and could not is a failure to look at, not a refusal."""
         spec = levers.speculative or {}
-        for key in (levers.precision_label(), f"draft {spec.get('model')}" if spec.get("method") == "draft_model" else ""):
+        keys = (
+            f"model {levers.model}" if levers.model else levers.precision_label(),
+            f"draft {spec.get('model')}" if spec.get("method") == "draft_model" else "",
+        )
+        for key in keys:
             if key in self.errors and not self.installed():
                 raise StartFailed(self.errors[key], "failed")
         return super().start(model, levers, log_path, timeout)
@@ -251,4 +272,6 @@ class LlamaCppEngine(Engine):
             "prefix_caching": "per request: cache_prompt",
             "tensor_parallel": "not expressible (layer split only, GPU only)",
             "batch_policy": "llama-server -np N",
+            "batching": "continuous in the server; static as a client-side workload (waves)",
+            "model": "the model lever's folder, converted to GGUF like the study's model",
         }

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from leverlab.study.engines.base import Engine
+from leverlab.study.engines.base import Engine, served_model
 from leverlab.study.plan import Levers
 
 ON_THE_FLY = {"int8": "fp8", "fp8": "fp8"}
@@ -95,7 +95,8 @@ class VLLMEngine(Engine):
 
     def command(self, model: str, levers: Levers, port: int) -> list[str]:
         q = levers.quantization
-        model = self.checkpoints.get(q, model) if q else model
+        model = served_model(model, levers)
+        model = self.checkpoints.get(q, model) if q and not levers.model else model
         cmd = [self.binary or "vllm", "serve", model, "--port", str(port), "--dtype", levers.dtype]
         if q in ON_THE_FLY and q not in self.checkpoints:
             cmd += ["--quantization", ON_THE_FLY[q]]
@@ -141,4 +142,7 @@ class VLLMEngine(Engine):
             "prefix_caching": "--enable-prefix-caching / --no-enable-prefix-caching",
             "tensor_parallel": "--tensor-parallel-size",
             "batch_policy": "--max-num-seqs",
+            "batching": "continuous in the engine; static as a client-side workload (waves)",
+            "model": "the model served (right-sizing)",
+            "replicas": "--data-parallel-size",
         }
