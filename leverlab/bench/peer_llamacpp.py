@@ -5,7 +5,7 @@ Why from the sdist: PyPI is the only registry reachable here, and llama-cpp-pyth
 commit, so a version number names exactly the code measured. Why the converter from the same source: a GGUF
 written by another gguf-py version may carry keys this llama.cpp reads differently.
 
-    python -m leverlab.bench.peer_llamacpp build     (the study's llama.cpp install step; ~6 min on 2 cores, once)
+    python -m leverlab.bench.peer_llamacpp build     (the study's llama.cpp install step, once: 6-25 min on 2 cores)
     python -m leverlab.bench.peer_llamacpp convert --src VENDOR_DIR --pre NAME MODEL OUT.gguf   (the wrapper)
 """
 

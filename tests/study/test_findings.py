@@ -278,3 +278,13 @@ def test_model_finding_reports_speed_and_fidelity():
     assert f["status"] == F.REPRODUCED and "decode 2.50x" in f["evidence"] and "1/4 greedy" in f["evidence"]
     small["metrics"]["decode_tok_s"] = 99.0
     assert F.check_model({"configs": [base, small]})["status"] == F.NOT_REPRODUCED
+
+
+def test_memory_finding_from_two_runs():
+    from leverlab.study.compare import memory_finding
+
+    rows = [{"speedup_over_bandwidth": x} for x in (1.05, 0.9, None)]
+    assert memory_finding(rows, 2.0)["status"] == F.REPRODUCED
+    assert memory_finding(rows + [{"speedup_over_bandwidth": 0.5}], 2.0)["status"] == F.PARTLY
+    assert "same rate" in memory_finding(rows, 1.03)["why"]  # one machine, two engines: nothing to test
+    assert memory_finding(rows, None)["status"] == F.NOT_TESTED
