@@ -305,7 +305,7 @@ def _reference_steps(b: PlanBuilder, *, full: bool) -> PlanBuilder:
 
 
 def default_plan() -> Plan:
-    """The short plan (~5 min of study time on 2 cores with the bundled model, kernels built): the reference
+    """The short plan (~9 min of study time on 2 quiet cores with the bundled model, kernels built): the reference
     progression, 4 prompts per bucket (with 2, single slow requests flipped findings between runs), output
     lengths halved (the 1:4 ratio of medium to decode kept), concurrency 1, 4, 16, one warm-up request, and
     speculation's exactness checked where a step changes speculation (see Plan.exactness)."""
