@@ -40,6 +40,7 @@ class BenchConfig:
     sweep_rounds: int = 4  # requests per sweep level: max(bucket size, sweep_rounds * c)
     request_rates: list[float] = field(default_factory=list)  # Poisson mode; replaces the sweep when given
     max_concurrency: int | None = None  # cap in flight under Poisson
+    batching: str = "continuous"  # sweep levels: "static" sends waves of c (strategies.static_batches)
     warmup: int = 2
     seed: int = 0
     temperature: float = 0.0
@@ -64,6 +65,8 @@ class BenchConfig:
             raise ValueError("concurrency levels must be >= 1")
         if any(r <= 0 for r in self.request_rates):
             raise ValueError("request rates must be > 0")
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching is continuous or static, got {self.batching!r}")
         if self.output_len is not None and self.output_len < 1:
             raise ValueError("output_len must be >= 1")
         if self.workload == "sharegpt" and not self.dataset:

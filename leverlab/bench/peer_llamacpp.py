@@ -5,6 +5,7 @@ Why from the sdist: PyPI is the only registry reachable here, and llama-cpp-pyth
 commit, so a version number names exactly the code measured. Why the converter from the same source: a GGUF
 written by another gguf-py version may carry keys this llama.cpp reads differently.
 
+    python -m leverlab.bench.peer_llamacpp build     (the study's llama.cpp install step, once: 6-25 min on 2 cores)
     python -m leverlab.bench.peer_llamacpp convert --src VENDOR_DIR --pre NAME MODEL OUT.gguf   (the wrapper)
 """
 
@@ -247,7 +248,26 @@ def _convert_main(argv: list[str]) -> int:
     return 0
 
 
+def _build_main(argv: list[str]) -> int:
+    """The one install step for the study's llama.cpp engine: the binaries built into the cache."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m leverlab.bench.peer_llamacpp build")
+    ap.add_argument("--dir", default=None, help=f"build + GGUF cache (default $LEVERLAB_CACHE/llamacpp/{VERSION})")
+    ap.add_argument("--jobs", type=int, default=None, help="build jobs (default: all cores)")
+    a = ap.parse_args(argv)
+    try:
+        bins = ensure_built(Path(a.dir).expanduser() if a.dir else default_dir(), a.jobs)
+    except PeerError as e:
+        print(f"llama.cpp: {e}", file=sys.stderr)
+        return 2
+    print(f"llama-server: {bins['llama-server']}")
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["convert"]:
         sys.exit(_convert_main(sys.argv[2:]))
-    sys.exit(f"usage: python -m leverlab.bench.peer_llamacpp convert ...\n{__doc__}")
+    if sys.argv[1:2] == ["build"]:
+        sys.exit(_build_main(sys.argv[2:]))
+    sys.exit(f"usage: python -m leverlab.bench.peer_llamacpp build | convert ...\n{__doc__}")

@@ -48,6 +48,7 @@ class RequestRecord:
     text_chars: int = 0
     concurrency: int | None = None
     request_rate: float | None = None
+    queue_wait_s: float = 0.0  # static batching: the wait for the previous batch, included in ttft_s and e2e_s
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -259,6 +259,8 @@ async def arun_benchmark(cfg: BenchConfig, progress: Progress | None = None) -> 
                     recs, dur = await strategies.poisson(
                         ph.requests, ph.rate, send, seed=cfg.seed, max_concurrency=ph.concurrency
                     )
+                elif ph.kind == "sweep" and cfg.batching == "static":
+                    recs, dur = await strategies.static_batches(ph.requests, ph.concurrency or 1, send)
                 else:
                     recs, dur = await strategies.concurrent(ph.requests, ph.concurrency or 1, send)
                 after = await prometheus.scrape(client, f"{root}/metrics") if cfg.scrape_metrics else None

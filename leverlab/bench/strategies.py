@@ -3,6 +3,9 @@ duration_s), where duration is first send -> last completion, as vllm's benchmar
 
 - concurrent(c): closed loop, exactly c requests in flight until the list runs out (c=1: one at a time,
   single-request latency with no batching).
+- static_batches(n): closed loop of n clients served in static batches: a request waits until the batch
+  before it has finished entirely (it runs to its longest member) and then goes out with the next n; the wait
+  counts in its TTFT and E2E, as it would for a user whose request sat in the server's queue.
 - poisson(rate): open loop, exponential inter-arrival gaps from a seeded generator, optionally capped at
   max_concurrency in flight.
 Warm-up is a separate call whose records the runner keeps apart from every aggregate.
@@ -38,6 +41,42 @@ async def concurrent(
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(min(concurrency, len(reqs)))))
     return [r for r in results if r is not None], time.perf_counter() - t0
+
+
+async def static_batches(
+    reqs: Sequence[BenchRequest], batch: int, send: Send
+) -> tuple[list[RequestRecord], float]:
+    """Static batching as a client-side workload, so it measures the same on any engine: waves of `batch`
+    requests sent together, the next wave only once every member of this one has finished. Each of the
+    `batch` clients issues its next request as soon as its own previous one is done (as concurrent() does);
+    under static batching that request waits for the wave to end. The wait (the wave's end minus the moment
+    the client was ready) is added to TTFT and E2E and kept as queue_wait_s. Not modelled: an open-loop
+    queue filling a batch (here a batch is always full but for the last)."""
+    if batch < 1:
+        raise ValueError("batch must be >= 1")
+    records: list[RequestRecord] = []
+    t0 = time.perf_counter()
+    ready: list[float | None] = [None] * batch  # when each client's next request was ready (None: at the start)
+    for start in range(0, len(reqs), batch):
+        wave = reqs[start : start + batch]
+        sent = time.perf_counter()
+        done = await asyncio.gather(*(_timed(send, r) for r in wave))
+        for i, (rec, finished) in enumerate(done):
+            r = ready[i]
+            wait = 0.0 if r is None else max(0.0, sent - r)
+            rec.queue_wait_s = wait
+            rec.start_s -= wait
+            rec.e2e_s += wait
+            if rec.ttft_s is not None:
+                rec.ttft_s += wait
+            ready[i] = finished
+            records.append(rec)
+    return records, time.perf_counter() - t0
+
+
+async def _timed(send: Send, req: BenchRequest) -> tuple[RequestRecord, float]:
+    rec = await send(req)
+    return rec, time.perf_counter()
 
 
 def poisson_offsets(n: int, rate: float, seed: int) -> list[float]:

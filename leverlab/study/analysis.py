@@ -101,10 +101,13 @@ def config_metrics(summary: dict[str, Any], sweep_bucket: str) -> dict[str, Any]
     return m
 
 
-def analyze(out_dir: Path) -> dict[str, Any]:
+def analyze(out_dir: Path, price_per_hour: float | None = None) -> dict[str, Any]:
+    """price_per_hour: USD per device-hour for the cost figures (default: the one the study ran with, if any)."""
     from leverlab.study import findings, predict, recommend
 
     state = json.loads((out_dir / "study.json").read_text())
+    if price_per_hour is None:
+        price_per_hour = state.get("price_per_hour")
     steps = load_steps(state)
     plan = state["plan"]
     sweep_bucket = plan.get("sweep_bucket", "medium")
@@ -151,7 +154,7 @@ def analyze(out_dir: Path) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - e.g. a GGUF file: no HF config to read
         state["predict_error"] = str(e)
     preds: dict[str, Any] = {}
-    wl = json.loads(Path(state["workload"]).read_text())["buckets"] if state.get("workload") else {}
+    wl = _workload(out_dir, state)
     ctx_bucket = wl.get(sweep_bucket) or next(iter(wl.values()), {"input_tokens": 0, "output_len": 0})
     context = ctx_bucket.get("input_tokens", 0) + ctx_bucket.get("output_len", 0) / 2
     if facts is not None:
@@ -173,9 +176,12 @@ def analyze(out_dir: Path) -> dict[str, Any]:
                 }
             )
         cmax = max(plan.get("concurrency") or [1])
-        preds = predict.predict_all(rows, facts, state["bandwidth_gbs"], context, batch=cmax)
+        preds = predict.predict_all(
+            rows, facts, state["bandwidth_gbs"], context, batch=cmax, facts_of=_facts_of(facts, predict)
+        )
     for c in configs:
         c["prediction"] = preds.get(c["name"])
+        c["usd_per_mtok"] = recommend.usd_per_million_tokens(c, price_per_hour)
     result = {
         "model": state["model"],
         "engine": state["engine"],
@@ -190,11 +196,30 @@ def analyze(out_dir: Path) -> dict[str, Any]:
         "started": state.get("started"),
         "finished": state.get("finished"),
         "elapsed_s": state.get("elapsed_s"),
+        "setup_s": state.get("setup_s"),
+        "price_per_hour": price_per_hour,
     }
     result["engines"] = engine_table()
     result["findings"] = findings.check_all(result)
     result["recommendations"] = recommend.recommend(result)
     return result
+
+
+def _facts_of(facts, predict):
+    """Levers -> the facts of the model they serve (the model lever's folder; else the study's)."""
+    from leverlab.study.engines.leverlab import resolve
+
+    cache: dict[str, Any] = {}
+
+    def of(lv: Levers):
+        if not lv.model:
+            return facts
+        if lv.model not in cache:
+            path = resolve(lv.model)
+            cache[lv.model] = predict.ModelFacts.from_folder(str(path)) if path else facts
+        return cache[lv.model]
+
+    return of
 
 
 def engine_table() -> dict[str, dict[str, Any]]:
@@ -209,6 +234,15 @@ def engine_table() -> dict[str, dict[str, Any]]:
         except Exception as ex:  # noqa: BLE001
             out[name] = {"installed": f"adapter failed: {ex}", "capabilities": {}}
     return out
+
+
+def _workload(out_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """The study's prompt set: its own copy in the folder first (study.json's path may be relative to where the
+    study ran, and folders move: `study compare` reads two of them)."""
+    for p in (out_dir / "workload.json", Path(state.get("workload") or "")):
+        if p.is_file():
+            return json.loads(p.read_text())["buckets"]
+    return {}
 
 
 def _load_fid(out_dir: Path, name: str) -> dict[str, Any] | None:

@@ -1,13 +1,15 @@
 """`leverlab study [MODEL]`: the one-lever-at-a-time study, end to end, with fidelity and predictions.
 
-    leverlab study                                   # the short default plan on the bundled model (~10 min)
+    leverlab study                                   # the short default plan on the bundled model (~9 min)
     leverlab study --full                            # every lever, the whole prompt set
     leverlab study --plan my-plan.toml               # a plan file (YAML or TOML; see leverlab/study/plan.py)
     leverlab study --steps 'int8:precision=int8,ng:speculation=ngram/4@int8'
     leverlab study --resume results/study-XXXX       # skip what finished, retry what failed or was refused
     leverlab study --report-only results/study-XXXX  # rebuild report.md / report.html
     leverlab study --resume results/study-XXXX --only int8-draft   # one configuration, e.g. once its model lands
-    leverlab study --engine llamacpp --gguf bfloat16=m-bf16.gguf --gguf int8=m-q8_0.gguf
+    leverlab study --engine llamacpp                 # llama.cpp (`python -m leverlab.bench.peer_llamacpp build`)
+    leverlab study --engine leverlab,llamacpp        # both, each in OUT/<engine>/, side by side in OUT/report.md
+    leverlab study compare A B [--out DIR]           # two study folders side by side (the bandwidth-ratio check)
 Exit status: 0 when every configuration ran or was refused by the engine (reported), 1 when one failed or a
 speculative configuration changed greedy tokens, 2 for a usage error.
 """
@@ -15,14 +17,23 @@ speculative configuration changed greedy tokens, 2 for a usage error.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="model folder (default: the bundled default model)")
-    p.add_argument("--engine", default="leverlab", help="leverlab (default), llamacpp or vllm")
+    p.add_argument(
+        "model", nargs="?", default=None, help="model folder (default: the bundled default model), or `compare`"
+    )
+    p.add_argument("folders", nargs="*", help="after `compare`: the two study folders A B")
+    p.add_argument(
+        "--engine",
+        default="leverlab",
+        help="leverlab (default), llamacpp or vllm; several, comma-separated, run one after the other and are "
+        "compared side by side",
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--plan", default=None, help="a plan file (.yaml/.yml/.toml)")
     g.add_argument("--steps", default=None, help="NAME:LEVER=VALUE[@PARENT],... after a bfloat16 baseline")
@@ -60,6 +71,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--bandwidth", type=float, default=None, help="GB/s (skip measuring it)")
     p.add_argument("--quiet", action="store_true", help="no per-request progress bars")
+    p.add_argument(
+        "--price-per-hour",
+        type=float,
+        default=None,
+        metavar="USD",
+        help="price of one device-hour: a cost column in $ per million output tokens and the cost "
+        "recommendation in dollars (also with --report-only)",
+    )
 
 
 def _pairs(items: list[str], flag: str) -> dict[str, str]:
@@ -107,27 +126,88 @@ def run(args: argparse.Namespace) -> int:
     from leverlab.study.plan import PlanError
 
     console = Console(stderr=True)
+    if args.price_per_hour is not None and not args.price_per_hour > 0:
+        print("leverlab study: --price-per-hour takes a positive number of dollars", file=sys.stderr)
+        return 2
+    if args.model == "compare":
+        return _compare(args, console)
+    if args.folders:
+        print(f"leverlab study: unexpected arguments {args.folders} (one model; or `compare A B`)", file=sys.stderr)
+        return 2
     if args.report_only:
-        return _report(Path(args.report_only), console)
+        return _report(Path(args.report_only), console, args.price_per_hour)
+    names = [n.strip() for n in args.engine.split(",") if n.strip()]
     try:
         plan = build_plan(args)
-        from leverlab.config import default_model_path
-        from leverlab.study.engines import get_engine
-
-        engine = get_engine(
-            args.engine,
-            execution_mode=args.execution_mode,
-            gguf=_pairs(args.gguf, "--gguf"),
-            draft_gguf=args.draft_gguf,
-            checkpoints=_pairs(args.vllm_checkpoint, "--vllm-checkpoint"),
-        )
-        if args.fidelity != "auto":
-            if args.fidelity == "inprocess" and engine.name != "leverlab":
-                raise ValueError("--fidelity inprocess needs the leverlab engine (it uses the Python API)")
-            engine.fidelity_mode = args.fidelity
+        engines = [_engine(n, args) for n in names]
+        if len(set(names)) != len(names) or not names:
+            raise ValueError(f"--engine names each engine once, got {args.engine!r}")
     except (PlanError, ValueError, OSError) as e:
         print(f"leverlab study: {e}", file=sys.stderr)
         return 2
+    if len(engines) == 1:
+        return _study(args, plan, engines[0], console)
+    # Several engines: one study each in OUT/<engine>, on the same plan, prompts and bandwidth figure (one
+    # machine: measured once), then the side-by-side report in OUT.
+    out = Path(args.resume or args.out or f"results/study-{time.strftime('%Y%m%d-%H%M%S')}")
+    rcs = []
+    for e in engines:
+        sub = argparse.Namespace(**vars(args))
+        sub.out = str(out / e.name)
+        sub.resume = str(out / e.name) if args.resume else None
+        rcs.append(_study(sub, plan, e, console))
+        if rcs[-1] == 2:
+            return 2
+        if args.bandwidth is None:
+            args.bandwidth = json.loads((out / e.name / "study.json").read_text()).get("bandwidth_gbs")
+    from leverlab.study.compare import write_compare
+
+    for other in engines[1:]:
+        dest = out if len(engines) == 2 else out / f"{engines[0].name}-vs-{other.name}"
+        write_compare(out / engines[0].name, out / other.name, dest, labels=(engines[0].name, other.name))
+        console.print(f"side by side: {dest / 'report.md'} and {dest / 'report.html'}")
+    return max(rcs)
+
+
+def _engine(name: str, args: argparse.Namespace):
+    from leverlab.study.engines import get_engine
+
+    engine = get_engine(
+        name,
+        execution_mode=args.execution_mode,
+        gguf=_pairs(args.gguf, "--gguf"),
+        draft_gguf=args.draft_gguf,
+        checkpoints=_pairs(args.vllm_checkpoint, "--vllm-checkpoint"),
+    )
+    if args.fidelity != "auto":
+        if args.fidelity == "inprocess" and engine.name != "leverlab":
+            raise ValueError("--fidelity inprocess needs the leverlab engine (it uses the Python API)")
+        engine.fidelity_mode = args.fidelity
+    return engine
+
+
+def _compare(args: argparse.Namespace, console) -> int:
+    if len(args.folders) != 2:
+        print("leverlab study compare: give two study folders, A B", file=sys.stderr)
+        return 2
+    a, b = (Path(f) for f in args.folders)
+    for f in (a, b):
+        if not (f / "study.json").is_file():
+            print(f"leverlab study compare: {f} holds no study.json", file=sys.stderr)
+            return 2
+    out = Path(args.out or f"results/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    from leverlab.study.compare import write_compare
+
+    c = write_compare(a, b, out)
+    f = c["memory_finding"]
+    console.print(f"[{f['status']}] {f['title']}: {f['why']}")
+    console.print(f"side by side: {out / 'report.md'} and {out / 'report.html'}")
+    return 0
+
+
+def _study(args: argparse.Namespace, plan, engine, console) -> int:
+    from leverlab.config import default_model_path
+
     model = str(args.model or default_model_path())
     root = Path(__file__).resolve().parents[2]
     workload = args.workload or str(root / "models" / "workload.json")
@@ -167,16 +247,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"leverlab study: {e}", file=sys.stderr)
         return 2
     console.print(f"study done in {state.data.get('elapsed_s', 0) / 60:.1f} min; writing the report")
-    return _report(out, console)
+    return _report(out, console, args.price_per_hour)
 
 
-def _report(out: Path, console) -> int:
+def _report(out: Path, console, price_per_hour: float | None = None) -> int:
     from leverlab.study.report import write_report
 
     if not (out / "study.json").is_file():
         print(f"leverlab study: {out} holds no study.json", file=sys.stderr)
         return 2
-    a = write_report(out)
+    a = write_report(out, price_per_hour)
     from rich.markup import escape
 
     for r in a["recommendations"]:

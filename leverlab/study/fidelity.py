@@ -137,11 +137,13 @@ def exactness(
 # ---- collection: in-process (LeverLab) -------------------------------------------------------------------
 
 
-def inprocess_spec(model: str, levers: dict[str, Any], prompts: list[dict], tokens: int) -> dict[str, Any]:
+def inprocess_spec(
+    model: str, levers: dict[str, Any], prompts: list[dict], tokens: int, exactness: bool = True
+) -> dict[str, Any]:
     """The worker's input: the served run (with prompt logprobs), plus a float32 spec-on/spec-off pair for
-    speculative configurations (greedy only)."""
+    speculative configurations (greedy only) unless exactness=False."""
     runs = [{"name": "served", "levers": levers, "prompt_logprobs": True}]
-    if levers.get("speculative"):
+    if levers.get("speculative") and exactness:
         f32 = {**levers, "dtype": "float32"}
         runs.append({"name": "spec_f32", "levers": f32, "prompt_logprobs": False})
         runs.append({"name": "plain_f32", "levers": {**f32, "speculative": None}, "prompt_logprobs": False})
@@ -149,12 +151,18 @@ def inprocess_spec(model: str, levers: dict[str, Any], prompts: list[dict], toke
 
 
 def collect_inprocess(
-    model: str, levers: dict[str, Any], prompts: list[dict], tokens: int, workdir: Path, timeout: float = 900
+    model: str,
+    levers: dict[str, Any],
+    prompts: list[dict],
+    tokens: int,
+    workdir: Path,
+    timeout: float = 900,
+    exactness: bool = True,
 ) -> dict[str, Any]:
     """Runs the worker in a subprocess (a crash or a refused lever cannot take the study down)."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path, out_path = workdir / "fidelity-spec.json", workdir / "fidelity-samples.json"
-    spec_path.write_text(json.dumps(inprocess_spec(model, levers, prompts, tokens)))
+    spec_path.write_text(json.dumps(inprocess_spec(model, levers, prompts, tokens, exactness)))
     log_path = workdir / "fidelity.log"
     with open(log_path, "w") as log:
         rc = subprocess.run(

@@ -331,8 +331,8 @@ def check_memory(a: dict[str, Any]) -> dict[str, str]:
         "Faster memory is the cleanest lever",
         NOT_TESTED,
         f"this machine's measured read bandwidth: {a.get('bandwidth_gbs') or 0:.1f} GB/s",
-        "one machine has one memory system; run the same plan on another machine and compare the reports "
-        "(`leverlab bench compare` on two configurations' bench folders)",
+        "one machine has one memory system; run the same plan on another machine and compare the two study "
+        "folders: `leverlab study compare A B` sets each configuration's speedup against the bandwidth ratio",
     )
 
 
@@ -380,6 +380,74 @@ def check_multiply(a: dict[str, Any]) -> dict[str, str]:
     )
 
 
+def check_batching(a: dict[str, Any]) -> dict[str, str]:
+    """Static batches against continuous batching, at the sweep's top concurrency: continuous should serve
+    more requests/s and answer sooner, since a static batch holds every slot until its longest member ends."""
+    title = "Continuous batching beats static batches under load"
+    byn = _by_name(a)
+    steps = [c for c in a["configs"] if c["lever"] == "batching" and c["levers"].batching == "static"]
+    if not steps:
+        return _f("B", title, NOT_TESTED, "", "no static-batching step in this plan (`--full` has one)")
+    c = steps[0]
+    p = byn[c["parent"]]
+    if c["status"] != "done" or p["status"] != "done":
+        return _f("B", title, NOT_TESTED, "", _unavailable(c if c["status"] != "done" else p))
+    cmax = _m(c).get("c_max")
+    rs, rc = _m(c).get("rps_cmax"), _m(p).get("rps_cmax")
+    ls = ((_m(c).get("sweep") or {}).get(cmax) or {}).get("e2e_p50_s")
+    lc = ((_m(p).get("sweep") or {}).get(cmax) or {}).get("e2e_p50_s")
+    if not (rs and rc and ls and lc):
+        return _f("B", title, NOT_TESTED, "", "the sweep has no figures at the top concurrency")
+    more, sooner = rc > rs * (1 + MARGIN), lc < ls * (1 - MARGIN)
+    ev = (
+        f"at concurrency {cmax}: continuous ({p['name']}) {rc:.3f} req/s, P50 {lc:.2f} s; static ({c['name']}) "
+        f"{rs:.3f} req/s, P50 {ls:.2f} s (a request's wait for its batch included)"
+    )
+    status = REPRODUCED if more and sooner else PARTLY if more or sooner else NOT_REPRODUCED
+    why = (
+        "a static batch keeps every slot until its longest member ends and new requests wait for it"
+        if status != NOT_REPRODUCED
+        else "equal output lengths leave a static batch little idle time; the gap grows with mixed lengths"
+    )
+    return _f("B", title, status, ev, why)
+
+
+def check_model(a: dict[str, Any]) -> dict[str, str]:
+    """Right-sizing (the reference's first lever): the smaller model of the family serves faster, by about
+    its byte ratio, and says other things; the fidelity columns say how much."""
+    title = "Right-sizing: a smaller model of the family is faster, at a cost in fidelity"
+    byn = _by_name(a)
+    steps = [c for c in a["configs"] if c["lever"] == "model" and c["levers"].model]
+    if not steps:
+        return _f("R", title, NOT_TESTED, "", "no model step in this plan (`--full` has one)")
+    c = steps[0]
+    p = byn[c["parent"]]
+    if c["status"] != "done" or p["status"] != "done":
+        return _f("R", title, NOT_TESTED, "", _unavailable(c if c["status"] != "done" else p))
+    d, dp = _m(c).get("decode_tok_s"), _m(p).get("decode_tok_s")
+    if not (d and dp):
+        return _f("R", title, NOT_TESTED, "", "no decode rate measured")
+    pred = c.get("prediction") or {}
+    bytes_ratio = (pred.get("byte_ratio_vs_baseline") or 0) / ((p.get("prediction") or {}).get(
+        "byte_ratio_vs_baseline"
+    ) or 1)
+    agr = ((c.get("fidelity") or {}).get("agreement")) or {}
+    ev = f"{p['name']} -> {c['name']}: decode {d / dp:.2f}x" + (
+        f" (bytes per pass {bytes_ratio:.2f}x fewer)" if bytes_ratio else ""
+    )
+    if agr:
+        ev += f"; {agr['identical']}/{agr['n']} greedy outputs identical to the baseline"
+    faster = d > dp * (1 + MARGIN)
+    changed = bool(agr) and agr.get("share_identical", 1.0) < 1.0
+    status = REPRODUCED if faster and changed else PARTLY if faster else NOT_REPRODUCED
+    why = (
+        "fewer bytes per token; the outputs differ, so it is a lossy lever, judged on its fidelity"
+        if faster
+        else "the smaller model is not faster here: the fixed per-pass cost dominates a model this small"
+    )
+    return _f("R", title, status, ev, why)
+
+
 def check_all(a: dict[str, Any]) -> list[dict[str, str]]:
     checks = (
         check_output_length,
@@ -390,6 +458,8 @@ def check_all(a: dict[str, Any]) -> list[dict[str, str]]:
         check_tensor_parallel,
         check_memory,
         check_multiply,
+        check_batching,
+        check_model,
     )
     out = []
     for chk in checks:

@@ -10,6 +10,11 @@ Levers and the fields they own (a lever is the unit of "one change"):
   prefix_caching   automatic prefix caching on/off           true / false
   tensor_parallel  tensor-parallel degree                    1, 2, 4
   batch_policy     max_num_seqs (sequences per step)         16, 64
+  batching         how requests meet the server              "continuous" (default), "static" (waves of N =
+                                                             the concurrency; a client-side workload)
+  model            right-sizing: serve another model         a folder of the same family ("models/...-draft")
+Adding a lever: its name in LEVERS, its field on Levers, and one entry in each of lever_values / with_lever /
+describe (and parse_value for --steps); engines say what they cannot express in unsupported().
 Plans come from code (default_plan / full_plan / tiny_plan) or a YAML/TOML file (load_plan).
 """
 
@@ -21,7 +26,17 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-LEVERS = ("precision", "kv_cache_dtype", "speculation", "prefix_caching", "tensor_parallel", "batch_policy")
+LEVERS = (
+    "precision",
+    "kv_cache_dtype",
+    "speculation",
+    "prefix_caching",
+    "tensor_parallel",
+    "batch_policy",
+    "batching",
+    "model",
+)
+BATCHING = ("continuous", "static")
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -40,6 +55,8 @@ class Levers:
     prefix_caching: bool = True
     tensor_parallel_size: int = 1
     max_num_seqs: int = 64
+    batching: str = "continuous"  # "static": the harness sends waves (bench/strategies.py static_batches)
+    model: str | None = None  # None: the study's model; else a smaller model of its family (right-sizing)
 
     def lever_values(self) -> dict[str, Any]:
         """Lever name -> the value that lever owns (what 'changes one lever' compares)."""
@@ -50,6 +67,8 @@ class Levers:
             "prefix_caching": self.prefix_caching,
             "tensor_parallel": self.tensor_parallel_size,
             "batch_policy": self.max_num_seqs,
+            "batching": self.batching,
+            "model": self.model,
         }
 
     def changed_levers(self, other: Levers) -> list[str]:
@@ -82,6 +101,16 @@ class Levers:
             return replace(self, tensor_parallel_size=int(value))
         if lever == "batch_policy":
             return replace(self, max_num_seqs=int(value))
+        if lever == "batching":
+            if value not in BATCHING:
+                raise PlanError(f"batching is one of {', '.join(BATCHING)}, got {value!r}")
+            return replace(self, batching=value)
+        if lever == "model":
+            if value in (None, "", "none"):
+                return replace(self, model=None)
+            if not isinstance(value, str):
+                raise PlanError(f"model is a model folder, got {value!r}")
+            return replace(self, model=value)
         raise PlanError(f"unknown lever {lever!r}; levers: {', '.join(LEVERS)}")
 
     def precision_label(self) -> str:
@@ -106,6 +135,10 @@ class Levers:
             return "on" if self.prefix_caching else "off"
         if lever == "tensor_parallel":
             return f"TP={self.tensor_parallel_size}"
+        if lever == "batching":
+            return "static batches (N = concurrency)" if self.batching == "static" else "continuous"
+        if lever == "model":
+            return Path(self.model).name if self.model else "the study's model"
         return f"max_num_seqs={self.max_num_seqs}"
 
 
@@ -138,9 +171,21 @@ class Plan:
     warmup: int = 2
     fidelity_prompts: int = 4  # prompts for the fidelity pass
     fidelity_tokens: int = 64  # greedy tokens compared per prompt
+    # Where speculation's exactness (spec on vs off, float32) is checked: "every" speculative configuration, or
+    # only the "speculation" steps (those that change it). A step changing another lever under speculation
+    # (int4 + EAGLE) keeps its parent's check; its float32 pair is the run's most expensive part (int4 has
+    # no float32 kernel: ~65 s each), which the short plan skips and --full keeps.
+    exactness: str = "every"
 
     def __post_init__(self) -> None:
         validate(self.steps)
+        if self.exactness not in ("every", "speculation"):
+            raise PlanError(f"exactness is 'every' or 'speculation', got {self.exactness!r}")
+
+    def checks_exactness(self, step: Step) -> bool:
+        if not step.levers.speculative:
+            return False
+        return self.exactness == "every" or step.lever == "speculation"
 
     def step(self, name: str) -> Step:
         for s in self.steps:
@@ -242,15 +287,39 @@ def _reference_steps(b: PlanBuilder, *, full: bool) -> PlanBuilder:
             "baseline-tp2", "tensor_parallel", 2, parent="baseline", note="tensor parallel on the baseline"
         )
         b.step("max-seqs-4", "batch_policy", 4, parent="baseline", note="at most 4 sequences per step")
+        b.step(
+            "static-batching",
+            "batching",
+            "static",
+            parent="baseline",
+            note="static batches: requests wait for a full batch, which runs to its longest member",
+        )
+        b.step(
+            "smaller-model",
+            "model",
+            DRAFT_MODEL_DIR,
+            parent="baseline",
+            note="right-sizing: the family's smaller model (the draft) served instead",
+        )
     return b
 
 
 def default_plan() -> Plan:
-    """The short plan (~10 min on 2 cores with the bundled model): the reference progression, 4 prompts per
-    bucket (with 2, single slow requests flipped findings between runs), output lengths halved (the 1:4
-    ratio of medium to decode kept), concurrency 1, 4, 16."""
+    """The short plan (~9 min of study time on 2 quiet cores with the bundled model, kernels built): the reference
+    progression, 4 prompts per bucket (with 2, single slow requests flipped findings between runs), output
+    lengths halved (the 1:4 ratio of medium to decode kept), concurrency 1, 4, 16, one warm-up request, and
+    speculation's exactness checked where a step changes speculation (see Plan.exactness)."""
     b = _reference_steps(PlanBuilder(note="bfloat16 weights and KV cache"), full=False)
-    return Plan("default", b.steps, num_prompts=4, output_scale=0.5, concurrency=[1, 4, 16], sweep_rounds=1)
+    return Plan(
+        "default",
+        b.steps,
+        num_prompts=4,
+        output_scale=0.5,
+        concurrency=[1, 4, 16],
+        sweep_rounds=1,
+        warmup=1,
+        exactness="speculation",
+    )
 
 
 def full_plan() -> Plan:
@@ -310,6 +379,7 @@ PLAN_KEYS = {
     "warmup",
     "fidelity_prompts",
     "fidelity_tokens",
+    "exactness",
 }
 
 
@@ -380,4 +450,4 @@ def parse_value(lever: str, value: str) -> Any:
         return value.lower() in ("on", "true")
     if lever in ("tensor_parallel", "batch_policy"):
         return int(value)
-    return value
+    return value  # precision, kv_cache_dtype, batching, model: as written

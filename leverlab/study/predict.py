@@ -112,7 +112,12 @@ def tokens_per_pass(generated: float | None, accepted: float | None) -> float:
 
 
 def predict_all(
-    configs: list[dict[str, Any]], facts: ModelFacts, bandwidth_gbs: float, context: float, batch: int = 1
+    configs: list[dict[str, Any]],
+    facts: ModelFacts,
+    bandwidth_gbs: float,
+    context: float,
+    batch: int = 1,
+    facts_of: Any = None,
 ) -> dict[str, dict[str, Any]]:
     """configs: [{name, parent, levers: Levers, measured_decode_tok_s, generated, accepted}] in plan order,
     the first being the baseline; optionally allreduce_s_per_pass (measured, tensor parallel); optionally generated_load / accepted_load / measured_rps_load (the counters
@@ -133,7 +138,8 @@ def predict_all(
     levers_by_name: dict[str, Levers] = {}
     for c in configs:
         lv: Levers = c["levers"]
-        b = bytes_per_pass(facts, lv, context)
+        f = facts_of(lv) if facts_of else facts  # the model lever serves another model: its own bytes
+        b = bytes_per_pass(f, lv, context)
         tpp = tokens_per_pass(c.get("generated"), c.get("accepted"))
         roof = tpp * bw / b
         t_comm = c.get("allreduce_s_per_pass") or 0.0  # measured all-reduce seconds per pass (TP only)
@@ -154,7 +160,7 @@ def predict_all(
         }
         tpp_load = tokens_per_pass(c.get("generated_load"), c.get("accepted_load"))
         p["tokens_per_pass_load"] = tpp_load
-        p["load_rate_index"] = tpp_load / bytes_per_pass(facts, lv, context, batch)  # relative only
+        p["load_rate_index"] = tpp_load / bytes_per_pass(f, lv, context, batch)  # relative only
         p["measured_rps_load"] = c.get("measured_rps_load")
         parent = out.get(c.get("parent") or "")
         if parent:

@@ -3,7 +3,8 @@
   lowest latency          the smallest P50 end-to-end latency at concurrency 1 on the sweep bucket
   highest throughput      the most requests/s at the highest concurrency measured
   lowest cost per token   the fewest device-seconds per 1,000 output tokens at the highest concurrency
-                          (devices = tensor-parallel size: a TP=2 configuration pays for two)
+                          (devices = tensor-parallel size: a TP=2 configuration pays for two); with
+                          --price-per-hour, dollars per million output tokens at that throughput
 Configurations flagged as bugs (speculation that changed greedy tokens) are never recommended. Each pick
 states what it costs in fidelity; when it changes outputs, the best configuration that keeps every greedy
 output identical to the baseline is named as the faithful alternative.
@@ -40,9 +41,36 @@ def fidelity_phrase(c: dict[str, Any], baseline: str) -> str:
     )
 
 
+def devices(c: dict[str, Any]) -> int:
+    """Devices a configuration pays for: one per tensor-parallel rank."""
+    return c["levers"].tensor_parallel_size
+
+
 def cost_per_1k_tokens(c: dict[str, Any]) -> float | None:
-    tput = c["metrics"].get("out_tok_s_cmax")
-    return c["levers"].tensor_parallel_size * 1000 / tput if tput else None
+    tput = (c.get("metrics") or {}).get("out_tok_s_cmax")
+    return devices(c) * 1000 / tput if tput else None
+
+
+def usd_per_million_tokens(c: dict[str, Any], price_per_hour: float | None) -> float | None:
+    """Dollars per million output tokens at the configuration's measured output rate at the top concurrency:
+    devices x $/hour / 3600 = $/s, over tokens/s, x 1e6."""
+    tput = (c.get("metrics") or {}).get("out_tok_s_cmax")
+    if not tput or price_per_hour is None:
+        return None
+    return devices(c) * price_per_hour / 3600 / tput * 1e6
+
+
+def goals(price_per_hour: float | None) -> tuple:
+    if price_per_hour is None:
+        return GOALS
+    dollars = (
+        "lowest cost per token",
+        lambda c: usd_per_million_tokens(c, price_per_hour),
+        min,
+        "${v:.2f} per million output tokens at concurrency {c_max} "
+        + f"(${price_per_hour:g} per device-hour)",
+    )
+    return GOALS[:2] + (dollars,)
 
 
 GOALS = (
@@ -66,7 +94,7 @@ def recommend(a: dict[str, Any]) -> list[dict[str, Any]]:
     configs = [c for c in a["configs"] if _ok(c)]
     baseline = a["configs"][0]
     out = []
-    for goal, key, pick, fmt in GOALS:
+    for goal, key, pick, fmt in goals(a.get("price_per_hour")):
         cands = [(key(c), c) for c in configs if key(c) is not None]
         if not cands:
             out.append({"goal": goal, "config": None, "text": f"No configuration measured for {goal}."})

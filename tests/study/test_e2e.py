@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -167,3 +168,30 @@ def test_html_renders_in_headless_chromium(study, tmp_path):
     )
     assert r.returncode == 0 and shot.stat().st_size > 20_000, r.stderr[-2000:]
     shutil.copy(shot, out / "screenshot.png")
+
+
+def test_compare_puts_two_study_folders_side_by_side(study, tmp_path):
+    """`leverlab study compare A B` on real folders (here the same one twice, its copy with a faster memory
+    figure): every configuration in both, ratios B/A, and the bandwidth-ratio check."""
+    out, _, _ = study
+    faster = tmp_path / "faster"
+    shutil.copytree(out, faster)
+    st = json.loads((faster / "study.json").read_text())
+    st["bandwidth_gbs"] *= 2
+    (faster / "study.json").write_text(json.dumps(st))
+    r = subprocess.run(
+        [sys.executable, "-m", "leverlab.cli", "study", "compare", str(out), str(faster), "--out", str(tmp_path / "c")],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    md = (tmp_path / "c" / "report.md").read_text()
+    assert "## Side by side" in md and "| baseline |" in md and "| ngram |" in md
+    c = json.loads((tmp_path / "c" / "compare.json").read_text())
+    assert c["bandwidth_ratio"] == 2.0 and [r["decode_speedup"] for r in c["rows"]] == [1.0, 1.0]
+    # same figures under twice the bandwidth: the speedups do not track it
+    assert c["memory_finding"]["status"] == "not reproduced" and "NOT REPRODUCED" in md
+    bad = subprocess.run(
+        [sys.executable, "-m", "leverlab.cli", "study", "compare", str(out)], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "two study folders" in bad.stderr

@@ -59,17 +59,45 @@ def test_vllm_flags_and_gaps():
     assert cmd[2] == "Qwen/Qwen3-8B-AWQ" and "--quantization" not in cmd
 
 
+def test_vllm_speculative_config_has_vllms_keys_only():
+    """vLLM's SpeculativeConfig: ngram needs prompt_lookup_max; keys it does not know are never passed."""
+    e = get_engine("vllm")
+    spec = json.loads(_flag(e.command("m", Levers(speculative=NGRAM), 9), "--speculative-config"))
+    assert spec == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    own = {**NGRAM, "prompt_lookup_max": 3, "draft_tensor_parallel_size": 1, "adaptive": False}
+    spec = json.loads(_flag(e.command("m", Levers(speculative=own), 9), "--speculative-config"))
+    assert spec["prompt_lookup_max"] == 3 and "adaptive" not in spec and spec["draft_tensor_parallel_size"] == 1
+    draft = {"method": "draft_model", "model": "org/small", "num_speculative_tokens": 5}
+    assert json.loads(_flag(e.command("m", Levers(speculative=draft), 9), "--speculative-config")) == draft
+    assert "disable_by_batch_size" in e.unsupported(Levers(speculative={**NGRAM, "disable_by_batch_size": 8}))[
+        "speculation"
+    ]
+    cmd = e.command("m", Levers(), 9)
+    assert "--data-parallel-size" not in cmd and "--quantization" not in cmd and "--kv-cache-dtype" not in cmd
+    assert "--no-enable-prefix-caching" in e.command("m", Levers(prefix_caching=False), 9)
+
+
 def test_llamacpp_server_flags(monkeypatch):
-    e = get_engine("llamacpp", gguf={"bfloat16": "m-bf16.gguf", "int8": "m-q8.gguf"}, draft_gguf="d.gguf")
+    """Flags as this llama-server (llama-cpp-python 0.3.36's llama.cpp) names them: --draft-max is gone there."""
+    e = get_engine("llamacpp", gguf={"bfloat16": "m-bf16.gguf", "int8": "m-q8.gguf"}, draft_gguf="d.gguf", threads=1)
     e.binary, e.module = "/usr/bin/llama-server", False
+    e.max_slots, e.slot_ctx = 16, 1000
     lv = Levers(quantization="int8", kv_cache_dtype="int8", max_num_seqs=4)
     cmd = e.command("ignored", lv, 7)
     assert _flag(cmd, "-m") == "m-q8.gguf" and _flag(cmd, "-ctk") == "q8_0" and _flag(cmd, "-np") == "4"
+    assert _flag(cmd, "-c") == "4000" and _flag(cmd, "-t") == "1" and "--metrics" in cmd
+    # slots: no more than the plan's top concurrency (64 sequences, 16 clients: 16 slots of 1000 tokens)
+    assert _flag(e.command("ignored", Levers(), 7), "-np") == "16"
     cmd = e.command("ignored", Levers(speculative={"method": "draft_model", "num_speculative_tokens": 5}), 7)
-    assert _flag(cmd, "-md") == "d.gguf" and _flag(cmd, "--draft-max") == "5"
+    assert _flag(cmd, "-md") == "d.gguf" and _flag(cmd, "--spec-draft-n-max") == "5" and "--draft-max" not in cmd
+    cmd = e.command("ignored", Levers(speculative=NGRAM), 7)
+    assert _flag(cmd, "--spec-type") == "ngram-simple" and _flag(cmd, "--spec-ngram-simple-size-m") == "4"
+    assert _flag(cmd, "--spec-ngram-simple-size-n") == "2"  # our shortest lookup (prompt_lookup_min)
+    assert e.unsupported(Levers(speculative=NGRAM)) == {}
     assert "no EAGLE" in e.unsupported(Levers(speculative={"method": "eagle"}))["speculation"]
-    assert "prompt-lookup" in e.unsupported(Levers(speculative=NGRAM))["speculation"]
+    assert "adaptive" in e.unsupported(Levers(speculative={**NGRAM, "adaptive": True}))["speculation"]
     assert "no GGUF file for int4" in e.unsupported(Levers(quantization="int4"))["precision"]
+    assert "no llama.cpp file type for fp8" in e.unsupported(Levers(quantization="fp8"))["precision"]
     assert "tensor_parallel" in e.unsupported(Levers(tensor_parallel_size=2))
     assert e.extra_body(Levers(prefix_caching=False)) == {"cache_prompt": False}
 
@@ -86,10 +114,26 @@ def test_llamacpp_python_module_flags():
     assert e.unsupported(Levers(speculative=NGRAM)) == {}
 
 
-def test_llamacpp_not_installed_is_reported():
+def test_llamacpp_not_installed_is_reported_with_the_install_step():
     e = get_engine("llamacpp")
     e.binary, e.module = None, False
-    assert e.installed().startswith("not installed")
+    assert e.installed().startswith("not installed") and "peer_llamacpp build" in e.installed()
+
+
+def test_llamacpp_a_file_that_could_not_be_made_fails_the_configuration(tmp_path):
+    """A conversion failure is the study's own failure (status failed, with the reason), not a refusal."""
+    from leverlab.study.engines.base import StartFailed
+
+    e = get_engine("llamacpp")
+    e.binary, e.module = "/usr/bin/llama-server", False
+    e.errors["int8"] = "GGUF conversion failed: boom"
+    assert e.unsupported(Levers(quantization="int8")) == {}
+    try:
+        e.start("m", Levers(quantization="int8"), tmp_path / "server.log")
+    except StartFailed as err:
+        assert err.kind == "failed" and "boom" in err.reason
+    else:
+        raise AssertionError("start() should have failed")
 
 
 def test_vllm_gets_our_eagle_head_as_its_speculators_export(checkpoint_factory, tmp_path):

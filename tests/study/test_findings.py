@@ -186,7 +186,7 @@ def test_multiply_compares_the_same_change_on_two_parents():
 
 def test_check_all_never_raises():
     out = F.check_all({"configs": [cfg("b", None, None, Levers(), "failed")], "bandwidth_gbs": 10.0})
-    assert len(out) == 8 and all(
+    assert len(out) == 10 and all(
         f["status"] in (F.REPRODUCED, F.PARTLY, F.NOT_REPRODUCED, F.NOT_TESTED) for f in out
     )
 
@@ -238,3 +238,53 @@ def test_recommendations_skip_bugs_and_name_a_faithful_alternative():
     assert recs["highest throughput"]["config"] == "int4"
     assert recs["lowest cost per token"]["value"] == 5.0  # 1000 / 200 device-seconds per 1k tokens
     assert "tp" in recs["note"]["text"]
+
+
+def test_cost_in_dollars_per_million_tokens_with_a_price():
+    """$/M tokens = devices x $/hour / 3600 / (output tokens/s) x 1e6; a TP=2 configuration pays for two."""
+    from leverlab.study.recommend import usd_per_million_tokens
+
+    base = cfg("b", None, None, Levers(), e2e_p50_s=2.0, rps_cmax=1.0, out_tok_s_cmax=100.0, c_max=16)
+    tp2 = cfg("tp2", "b", "tensor_parallel", Levers(tensor_parallel_size=2), e2e_p50_s=1.0, rps_cmax=1.5,
+              out_tok_s_cmax=150.0, c_max=16)
+    assert usd_per_million_tokens(base, 3.6) == 10.0  # $0.001/s over 100 tok/s
+    assert abs(usd_per_million_tokens(tp2, 3.6) - 2 * 0.001 / 150 * 1e6) < 1e-9
+    assert usd_per_million_tokens(base, None) is None
+    recs = {r["goal"]: r for r in recommend({"configs": [base, tp2], "price_per_hour": 3.6})}
+    cost = recs["lowest cost per token"]
+    assert cost["config"] == "b" and cost["value"] == 10.0
+    assert "$10.00 per million output tokens" in cost["text"] and "$3.6 per device-hour" in cost["text"]
+    # without a price: device-seconds, as before
+    recs = {r["goal"]: r for r in recommend({"configs": [base, tp2]})}
+    assert "device-seconds" in recs["lowest cost per token"]["text"]
+
+
+def test_batching_finding_compares_static_with_continuous_at_the_top_concurrency():
+    sweep = lambda p50: {16: {"e2e_p50_s": p50}}  # noqa: E731
+    base = cfg("b", None, None, Levers(), rps_cmax=2.0, c_max=16, sweep=sweep(1.0))
+    st = cfg("st", "b", "batching", Levers(batching="static"), rps_cmax=1.5, c_max=16, sweep=sweep(1.6))
+    f = F.check_batching({"configs": [base, st]})
+    assert f["status"] == F.REPRODUCED and "2.000 req/s" in f["evidence"] and "1.500 req/s" in f["evidence"]
+    st["metrics"]["rps_cmax"] = 2.0
+    assert F.check_batching({"configs": [base, st]})["status"] == F.PARTLY
+    assert F.check_batching({"configs": [base]})["status"] == F.NOT_TESTED
+
+
+def test_model_finding_reports_speed_and_fidelity():
+    base = cfg("b", None, None, Levers(), decode_tok_s=100.0)
+    small = cfg("small", "b", "model", Levers(model="models/leverlab-code-draft"), decode_tok_s=250.0)
+    small["fidelity"] = {"agreement": {"share_identical": 0.25, "identical": 1, "n": 4}}
+    f = F.check_model({"configs": [base, small]})
+    assert f["status"] == F.REPRODUCED and "decode 2.50x" in f["evidence"] and "1/4 greedy" in f["evidence"]
+    small["metrics"]["decode_tok_s"] = 99.0
+    assert F.check_model({"configs": [base, small]})["status"] == F.NOT_REPRODUCED
+
+
+def test_memory_finding_from_two_runs():
+    from leverlab.study.compare import memory_finding
+
+    rows = [{"speedup_over_bandwidth": x} for x in (1.05, 0.9, None)]
+    assert memory_finding(rows, 2.0)["status"] == F.REPRODUCED
+    assert memory_finding(rows + [{"speedup_over_bandwidth": 0.5}], 2.0)["status"] == F.PARTLY
+    assert "same rate" in memory_finding(rows, 1.03)["why"]  # one machine, two engines: nothing to test
+    assert memory_finding(rows, None)["status"] == F.NOT_TESTED

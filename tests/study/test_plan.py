@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from leverlab.study.plan import (
+    LEVERS,
     Levers,
     Plan,
     PlanBuilder,
@@ -11,6 +12,7 @@ from leverlab.study.plan import (
     default_plan,
     full_plan,
     load_plan,
+    plan_from_dict,
     plan_from_steps_arg,
 )
 
@@ -37,14 +39,30 @@ def test_default_plan_follows_the_reference_progression():
 
 def test_full_plan_covers_every_lever():
     levers = {s.lever for s in full_plan().steps if s.lever}
-    assert levers == {
-        "precision",
-        "kv_cache_dtype",
-        "speculation",
-        "prefix_caching",
-        "tensor_parallel",
-        "batch_policy",
-    }
+    assert levers == set(LEVERS)
+    byn = {s.name: s for s in full_plan().steps}
+    assert byn["static-batching"].levers.batching == "static" and byn["static-batching"].parent == "baseline"
+    assert byn["smaller-model"].levers.model == "models/leverlab-code-draft"
+
+
+def test_batching_and_model_levers_parse_and_refuse_bad_values():
+    plan = plan_from_steps_arg("st:batching=static,small:model=models/leverlab-code-draft@baseline")
+    st, small = plan.steps[1], plan.steps[2]
+    assert st.lever == "batching" and st.change == "batching: static batches (N = concurrency)"
+    assert small.levers.model == "models/leverlab-code-draft" and small.change == "model: leverlab-code-draft"
+    with pytest.raises(PlanError, match="batching is one of continuous, static"):
+        plan_from_steps_arg("x:batching=dynamic")
+    with pytest.raises(PlanError, match="model is a model folder"):
+        plan_from_dict({"steps": [{"name": "m", "model": 3}]})
+
+
+def test_default_plan_checks_exactness_where_speculation_changes():
+    plan = default_plan()
+    checked = [s.name for s in plan.steps if plan.checks_exactness(s)]
+    assert checked == ["int8-ngram", "int8-ngram-adaptive", "int8-draft", "int8-eagle"]
+    assert plan.warmup == 1 and plan.num_prompts == 4
+    full = full_plan()
+    assert {"champion", "champion-tp2"} <= {s.name for s in full.steps if full.checks_exactness(s)}
 
 
 def test_every_step_changes_exactly_one_lever_from_its_parent():

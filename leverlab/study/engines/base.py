@@ -82,6 +82,16 @@ class ServerHandle:
         return self.proc.returncode
 
 
+def served_model(model: str, levers: Levers) -> str:
+    """The model a configuration serves: the study's, or the model lever's folder (right-sizing), found from
+    the repository root too as plans name models/... ."""
+    if not levers.model:
+        return model
+    from leverlab.study.engines.leverlab import resolve
+
+    return str(resolve(levers.model) or levers.model)
+
+
 class Engine:
     name = "engine"
     health_path = "/health"
@@ -92,6 +102,12 @@ class Engine:
     def installed(self) -> str | None:
         """None when the engine can run here, else why not ("not installed: ...")."""
         return None
+
+    def prepare(self, model: str, plan, workload: Path, say=print) -> dict:
+        """Once per study, before the first configuration: files the engine needs made from the model (llama.cpp:
+        GGUF per precision). Returns what it made, for study.json. Failures are kept for the configurations
+        they concern (start() reports them), never raised."""
+        return {}
 
     def unsupported(self, levers: Levers) -> dict[str, str]:
         """lever -> why this engine cannot express the value this configuration asks for."""

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from leverlab.study.engines.base import Engine
+from leverlab.study.engines.base import Engine, served_model
 from leverlab.study.plan import Levers
 
 REPO = Path(__file__).resolve().parents[3]
@@ -33,11 +33,29 @@ class LeverLabEngine(Engine):
         self.execution_mode = execution_mode
         self.max_num_batched_tokens = max_num_batched_tokens
 
+    def prepare(self, model: str, plan, workload: Path, say=print) -> dict:
+        """The C++ kernels built here, once, before any server starts: a first build takes 1-3 minutes (more on
+        a loaded machine) and would otherwise fall inside the first server's health timeout, and a server killed
+        mid-build makes the next one start over."""
+        import time
+
+        from leverlab.layers.cpu_kernels import kernels
+
+        t0 = time.monotonic()
+        say("LeverLab: loading the CPU kernels (built on first use: 1-3 minutes, once)")
+        ok = kernels() is not None
+        return {"cpu_kernels": ok, "setup_s": time.monotonic() - t0}
+
     def precheck(self, model: str, levers: Levers) -> str | None:
         """EngineConfig's own validation (what `leverlab serve` checks first): refusals without a server start."""
         from leverlab.config import EngineConfig
         from leverlab.errors import UnsupportedLever
 
+        if levers.model and resolve(levers.model) is None:
+            return f"model: the folder {levers.model} does not exist"
+        if levers.batching not in ("continuous", "static"):
+            return f"batching: {levers.batching!r} is not continuous or static"
+        model = served_model(model, levers)
         spec = self._spec(levers)
         try:
             EngineConfig(
@@ -71,7 +89,7 @@ class LeverLabEngine(Engine):
         return spec
 
     def command(self, model: str, levers: Levers, port: int) -> list[str]:
-        cmd = [sys.executable, "-m", "leverlab.cli", "serve", model, "--port", str(port)]
+        cmd = [sys.executable, "-m", "leverlab.cli", "serve", served_model(model, levers), "--port", str(port)]
         cmd += ["--dtype", levers.dtype, "--execution-mode", self.execution_mode]
         if levers.quantization:
             cmd += ["--quantization", levers.quantization]
@@ -98,4 +116,6 @@ class LeverLabEngine(Engine):
             "prefix_caching": "--enable-prefix-caching / --no-enable-prefix-caching",
             "tensor_parallel": "--tensor-parallel-size (one process per rank, cores // size threads each)",
             "batch_policy": "--max-num-seqs",
+            "batching": "continuous in the engine; static as a client-side workload (waves), on any engine",
+            "model": "the model folder served (right-sizing)",
         }

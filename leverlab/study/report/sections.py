@@ -1,272 +1,51 @@
-"""The study's report: report.md and a self-contained report.html (plots embedded as base64 PNG, CSS inline),
-both rendered from one list of blocks so they always say the same thing; plus analysis.json and plots/.
+"""The study report's sections, one builder each, in the order the report prints them (SECTIONS).
+
+Each builder appends its blocks to the document from the analysis (analysis.py) and a View of the few values
+every section needs; none computes a figure the analysis does not hold.
 """
 
 from __future__ import annotations
 
-import base64
-import html
-import json
-import math
 import os
-import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from leverlab.study.analysis import analyze, to_jsonable
 from leverlab.study.plan import LEVERS
-
-# ---- formatting helpers -------------------------------------------------------------------------------------
-
-
-def fmt(x: Any, spec: str = ".2f", none: str = "–") -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return none
-    return format(x, spec)
+from leverlab.study.report.doc import Doc
+from leverlab.study.report.fmt import _m, fmt, pct, ratio, rx, status_text
 
 
-def rx(x: Any) -> str:
-    """A ratio as '1.23x', or '–' when there is none."""
-    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.2f}x"
+@dataclass
+class View:
+    configs: list[dict[str, Any]]
+    plan: dict[str, Any]
+    cmax: int  # the sweep's top concurrency
+    sweep_bucket: str
+    workload: dict[str, Any]
+    plots: dict[str, Path]
+    price: float | None  # USD per device-hour (--price-per-hour): the cost column when given
 
-
-def pct(x: Any) -> str:
-    return fmt(None if x is None else 100 * x, ".0f") + ("%" if x is not None else "")
-
-
-def ratio(a: Any, b: Any) -> float | None:
-    return a / b if a and b else None
-
-
-def _m(c: dict[str, Any]) -> dict[str, Any]:
-    return c.get("metrics") or {}
-
-
-def status_text(c: dict[str, Any]) -> str:
-    s = c["status"]
-    if s == "unavailable":
-        return f"not available on this engine: {c.get('reason')}"
-    if s == "failed":
-        return f"FAILED: {c.get('reason')}"
-    if c.get("bug"):
-        return "BUG: speculation changed greedy tokens"
-    notes = []
-    errs = (c.get("metrics") or {}).get("request_errors")
-    if errs:
-        notes.append(f"{errs} requests failed")
-    if c.get("fidelity_error"):
-        notes.append("fidelity failed")
-    if s != "done":
-        return s
-    return "ok" + (f" ({', '.join(notes)})" if notes else "")
-
-
-# ---- blocks -----------------------------------------------------------------------------------------------
-
-
-class Doc:
-    def __init__(self) -> None:
-        self.blocks: list[tuple] = []
-
-    def h(self, level: int, text: str) -> None:
-        self.blocks.append(("h", level, text))
-
-    def p(self, text: str) -> None:
-        self.blocks.append(("p", text))
-
-    def ul(self, items: list[str]) -> None:
-        self.blocks.append(("ul", items))
-
-    def table(self, headers: list[str], rows: list[list[Any]], cls: str = "") -> None:
-        self.blocks.append(("table", headers, [[str(x) for x in r] for r in rows], cls))
-
-    def img(self, title: str, path: Path) -> None:
-        self.blocks.append(("img", title, path))
-
-    def pre(self, text: str) -> None:
-        self.blocks.append(("pre", text))
-
-    # -- renderers
-    def markdown(self, base: Path) -> str:
-        out: list[str] = []
-        for b in self.blocks:
-            kind = b[0]
-            if kind == "h":
-                out.append("#" * b[1] + " " + b[2])
-            elif kind == "p":
-                out.append(b[1])
-            elif kind == "ul":
-                out.append("\n".join(f"- {x}" for x in b[1]))
-            elif kind == "table":
-                headers, rows = b[1], b[2]
-                esc = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
-                lines = ["| " + " | ".join(map(esc, headers)) + " |", "|" + "---|" * len(headers)]
-                lines += ["| " + " | ".join(map(esc, r)) + " |" for r in rows]
-                out.append("\n".join(lines))
-            elif kind == "img":
-                out.append(f"![{b[1]}]({b[2].relative_to(base).as_posix()})")
-            elif kind == "pre":
-                out.append("```\n" + b[1] + "\n```")
-        return "\n\n".join(out) + "\n"
-
-    def html(self, title: str) -> str:
-        body: list[str] = []
-        for b in self.blocks:
-            kind = b[0]
-            if kind == "h":
-                body.append(f"<h{b[1]}>{_inline(b[2])}</h{b[1]}>")
-            elif kind == "p":
-                body.append(f"<p>{_inline(b[1])}</p>")
-            elif kind == "ul":
-                body.append("<ul>" + "".join(f"<li>{_inline(x)}</li>" for x in b[1]) + "</ul>")
-            elif kind == "table":
-                headers, rows, cls = b[1], b[2], b[3]
-                th = "".join(f"<th>{_inline(x)}</th>" for x in headers)
-                trs = "".join("<tr>" + "".join(f"<td>{_inline(x)}</td>" for x in r) + "</tr>" for r in rows)
-                body.append(f'<table class="{cls}"><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>')
-            elif kind == "img":
-                data = base64.b64encode(b[2].read_bytes()).decode()
-                body.append(
-                    f'<figure><img alt="{html.escape(b[1])}" src="data:image/png;base64,{data}">'
-                    f"<figcaption>{html.escape(b[1])}</figcaption></figure>"
-                )
-            elif kind == "pre":
-                body.append(f"<pre>{html.escape(b[1])}</pre>")
-        return HTML_PAGE.format(title=html.escape(title), body="\n".join(body))
-
-
-def _inline(s: str) -> str:
-    s = html.escape(s)
-    s = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", s)
-    s = re.sub(r"(?<![*\w])\*(\w[^*]*?)\*(?![*\w])", r"<em>\1</em>", s)
-    return re.sub(r"`(.+?)`", r"<code>\1</code>", s)
-
-
-HTML_PAGE = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
-<style>
-body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; line-height: 1.45; }}
-table {{ border-collapse: collapse; margin: 1em 0; font-size: 0.88em; }}
-th, td {{ border: 1px solid #ccc; padding: 0.3em 0.55em; text-align: left; vertical-align: top; }}
-th {{ background: #f0f3f7; }}
-tbody tr:nth-child(even) {{ background: #fafafa; }}
-table.progression td:nth-child(n+3) {{ text-align: right; white-space: nowrap; }}
-table.progression td:last-child {{ text-align: left; white-space: normal; min-width: 14em; }}
-figure {{ display: inline-block; margin: 0.5em 1em 1em 0; }}
-img {{ max-width: 560px; border: 1px solid #ddd; }}
-pre {{ background: #f6f6f6; padding: 0.6em; overflow-x: auto; font-size: 0.8em; }}
-code {{ background: #f3f3f3; padding: 0 0.2em; }}
-</style></head>
-<body>
-{body}
-</body></html>
-"""
-
-
-# ---- plots ----------------------------------------------------------------------------------------------------
-
-
-def write_plots(a: dict[str, Any], plot_dir: Path) -> dict[str, Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plot_dir.mkdir(parents=True, exist_ok=True)
-    done = [c for c in a["configs"] if _m(c).get("sweep")]
-    paths: dict[str, Path] = {}
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for c in done:
-        sw = _m(c)["sweep"]
-        cs = sorted(int(k) for k in sw)
-        ax.plot(
-            cs,
-            [sw[k]["e2e_p50_s"] if k in sw else sw[str(k)]["e2e_p50_s"] for k in cs],
-            marker="o",
-            label=c["name"],
+    @classmethod
+    def of(cls, a: dict[str, Any], plots: dict[str, Path]) -> View:
+        plan = a["plan"]
+        return cls(
+            a["configs"],
+            plan,
+            max(plan.get("concurrency") or [1]),
+            plan.get("sweep_bucket", "medium"),
+            a.get("workload") or {},
+            plots,
+            a.get("price_per_hour"),
         )
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrency")
-    ax.set_ylabel("P50 end-to-end latency (s)")
-    ax.set_title(f"Latency against concurrency ({a['plan'].get('sweep_bucket', 'medium')} bucket)")
-    ax.grid(alpha=0.3)
-    if done:
-        ax.legend(fontsize=7)
-    paths["latency"] = _save(fig, plot_dir / "latency_vs_concurrency.png")
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    pts = []
-    for c in done:
-        sw = _m(c)["sweep"]
-        xs = [v["request_throughput"] for v in sw.values()]
-        ys = [v["e2e_p50_s"] for v in sw.values()]
-        ax.scatter(xs, ys, label=c["name"], s=22)
-        for k, x, y in zip(sw, xs, ys):
-            ax.annotate(f"c{k}", (x, y), fontsize=6, xytext=(2, 2), textcoords="offset points")
-            pts.append((x, y))
-    frontier = _pareto([p for p in pts if None not in p])
-    if frontier:
-        ax.plot([p[0] for p in frontier], [p[1] for p in frontier], "k--", lw=0.8, label="Pareto frontier")
-    ax.set_xlabel("requests/s")
-    ax.set_ylabel("P50 end-to-end latency (s)")
-    ax.set_title("Latency against throughput (lower right is better)")
-    ax.grid(alpha=0.3)
-    if done:
-        ax.legend(fontsize=7)
-    paths["pareto"] = _save(fig, plot_dir / "pareto.png")
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    xs, ys, rs, names = [], [], [], []
-    for c in a["configs"]:
-        p = c.get("prediction") or {}
-        if p.get("measured_decode_tok_s"):
-            xs.append(p.get("calibrated_tok_s") or p["roofline_tok_s"])
-            rs.append(p["roofline_tok_s"])
-            ys.append(p["measured_decode_tok_s"])
-            names.append(c["name"])
-    if xs:
-        ax.scatter(xs, ys, label="calibrated model (fixed cost + bytes / bandwidth)")
-        ax.scatter(rs, ys, facecolors="none", edgecolors="gray", label="bandwidth roofline")
-        for n, x, y in zip(names, xs, ys):
-            ax.annotate(n, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        lo, hi = min(xs + ys + rs) * 0.8, max(xs + ys + rs) * 1.2
-        ax.plot([lo, hi], [lo, hi], "k:", lw=0.8, label="measured = predicted")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.legend(fontsize=7)
-    ax.set_xlabel("predicted decode tok/s (one stream)")
-    ax.set_ylabel("measured decode tok/s (P50, c=1)")
-    ax.set_title("Predicted against measured")
-    ax.grid(alpha=0.3)
-    paths["predicted"] = _save(fig, plot_dir / "predicted_vs_measured.png")
-    return paths
 
 
-def _pareto(pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Points no other point beats on both throughput (higher) and latency (lower), by throughput."""
-    front = [p for p in pts if not any(q[0] >= p[0] and q[1] <= p[1] and q != p for q in pts)]
-    return sorted(set(front))
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return path
-
-
-# ---- the document ------------------------------------------------------------------------------------------------
-
-
-def build(a: dict[str, Any], out_dir: Path, plots: dict[str, Path]) -> Doc:
-    d = Doc()
-    configs = a["configs"]
-    plan = a["plan"]
-    cmax = max(plan.get("concurrency") or [1])
-    sb = plan.get("sweep_bucket", "medium")
+def header(d: Doc, a: dict[str, Any], view: View) -> None:
+    """Title, what ran where, the workload, and the count of findings by result."""
+    configs = view.configs
+    plan = view.plan
+    sb = view.sweep_bucket
+    wl = view.workload
     d.h(1, f"LeverLab study: {Path(a['model']).name} on {a['engine']}")
     ran = sum(c["status"] == "done" for c in configs)
     d.p(
@@ -275,9 +54,10 @@ def build(a: dict[str, Any], out_dir: Path, plots: dict[str, Path]) -> Doc:
         f"{fmt(a.get('bandwidth_gbs'), '.1f')} GB/s"
         + (f" ({a['bandwidth_threads']} thread(s), as the engine runs)" if a.get("bandwidth_threads") else "")
         + f". Started {a.get('started')}, finished {a.get('finished') or '–'}"
-        + (f" ({fmt((a.get('elapsed_s') or 0) / 60, '.1f')} min)." if a.get("elapsed_s") else ".")
+        + (f" ({fmt((a.get('elapsed_s') or 0) / 60, '.1f')} min" if a.get("elapsed_s") else "")
+        + (f"; one-time setup {fmt(a.get('setup_s'), '.0f')} s apart" if a.get("setup_s") and a.get("elapsed_s") else "")
+        + (")." if a.get("elapsed_s") else ".")
     )
-    wl = a.get("workload") or {}
     d.p(
         "Workload: "
         + ", ".join(
@@ -298,8 +78,21 @@ def build(a: dict[str, Any], out_dir: Path, plots: dict[str, Path]) -> Doc:
         + ", ".join(f"{n} {k}" for k, n in counts.items())
         + ". Recommendations and the reasons for each finding are below the progression table."
     )
+
+
+def progression(d: Doc, a: dict[str, Any], view: View) -> None:
+    configs = view.configs
+    cmax = view.cmax
     d.h(2, "Progression")
-    d.p("Each row changes one lever from the configuration named in *vs*. Fidelity is against the baseline.")
+    d.p(
+        "Each row changes one lever from the configuration named in *vs*. Fidelity is against the baseline."
+        + (
+            f" Cost: dollars per million output tokens at the configuration's measured output rate at "
+            f"concurrency {cmax}, at ${view.price:g} per device-hour (a TP=2 configuration pays for two)."
+            if view.price
+            else ""
+        )
+    )
     rows = []
     for c in configs:
         m, f, p = _m(c), c.get("fidelity") or {}, c.get("prediction") or {}
@@ -316,6 +109,7 @@ def build(a: dict[str, Any], out_dir: Path, plots: dict[str, Path]) -> Doc:
                 fmt(m.get("decode_tok_s"), ".1f"),
                 fmt(p.get("calibrated_tok_s") or p.get("roofline_tok_s"), ".1f") if p else "–",
                 fmt(m.get("rps_cmax"), ".3f"),
+                *([fmt(c.get("usd_per_mtok"), ".2f")] if view.price else []),
                 pct(agr.get("share_identical")) if agr else "–",
                 fmt(agr.get("mean_first_divergence"), ".1f") if agr else "–",
                 fmt(f.get("perplexity"), ".2f"),
@@ -334,6 +128,7 @@ def build(a: dict[str, Any], out_dir: Path, plots: dict[str, Path]) -> Doc:
             "decode tok/s",
             "predicted tok/s (calibrated)",
             f"req/s @c{cmax}",
+            *([f"$ / M tokens @c{cmax}"] if view.price else []),
             "greedy identical",
             "first divergence",
             "perplexity",
@@ -344,6 +139,8 @@ def build(a: dict[str, Any], out_dir: Path, plots: dict[str, Path]) -> Doc:
         cls="progression",
     )
 
+
+def recommendation(d: Doc, a: dict[str, Any], view: View) -> None:
     d.h(2, "Recommendation")
     d.ul(
         [
@@ -352,6 +149,8 @@ def build(a: dict[str, Any], out_dir: Path, plots: dict[str, Path]) -> Doc:
         ]
     )
 
+
+def findings(d: Doc, a: dict[str, Any], view: View) -> None:
     d.h(2, "Findings of the reference study, on this machine")
     d.table(
         ["#", "finding", "result", "evidence", "why"],
@@ -361,6 +160,10 @@ def build(a: dict[str, Any], out_dir: Path, plots: dict[str, Path]) -> Doc:
         ],
     )
 
+
+def single_lever_tables(d: Doc, a: dict[str, Any], view: View) -> None:
+    configs = view.configs
+    cmax = view.cmax
     d.h(2, "Single-lever tables")
     byn = {c["name"]: c for c in configs}
     for lever in LEVERS:
@@ -404,6 +207,9 @@ def build(a: dict[str, Any], out_dir: Path, plots: dict[str, Path]) -> Doc:
             rows,
         )
 
+
+def predictions(d: Doc, a: dict[str, Any], view: View) -> None:
+    configs = view.configs
     d.h(2, "Predicted against measured (the bandwidth model)")
     mf = a.get("model_facts")
     if mf:
@@ -454,6 +260,10 @@ def build(a: dict[str, Any], out_dir: Path, plots: dict[str, Path]) -> Doc:
         rows,
     )
 
+
+def fidelity(d: Doc, a: dict[str, Any], view: View) -> None:
+    configs = view.configs
+    plan = view.plan
     d.h(2, "Fidelity against the baseline")
     sources = sorted({(c.get("fidelity") or {}).get("source") or "" for c in configs} - {""})
     n_fid = max([((c.get("fidelity") or {}).get("agreement") or {}).get("n", 0) for c in configs] + [0])
@@ -480,7 +290,11 @@ def build(a: dict[str, Any], out_dir: Path, plots: dict[str, Path]) -> Doc:
                 fmt(f.get("perplexity"), ".3f") + " / " + fmt(f.get("perplexity_baseline"), ".3f"),
                 fmt(kl.get("mean"), ".5f"),
                 fmt(kl.get("max"), ".4f"),
-                "–"
+                (
+                    "not checked here (the short plan checks it where speculation changes; --full everywhere)"
+                    if c["levers"].speculative
+                    else "–"
+                )
                 if ex is None
                 else (
                     f"exact ({ex['identical']}/{ex['n']})"
@@ -504,6 +318,10 @@ def build(a: dict[str, Any], out_dir: Path, plots: dict[str, Path]) -> Doc:
         rows,
     )
 
+
+def buckets(d: Doc, a: dict[str, Any], view: View) -> None:
+    configs = view.configs
+    wl = view.workload
     d.h(2, "Latency per bucket at concurrency 1 (P50 s; TTFT ms)")
     buckets = list(wl)
     d.table(
@@ -516,6 +334,12 @@ def build(a: dict[str, Any], out_dir: Path, plots: dict[str, Path]) -> Doc:
             if _m(c)
         ],
     )
+
+
+def sweep(d: Doc, a: dict[str, Any], view: View) -> None:
+    configs = view.configs
+    plan = view.plan
+    sb = view.sweep_bucket
     d.h(2, f"Concurrency sweep ({sb} bucket): P50 s / requests/s")
     cs = plan.get("concurrency") or []
     d.table(
@@ -535,11 +359,16 @@ def build(a: dict[str, Any], out_dir: Path, plots: dict[str, Path]) -> Doc:
         ],
     )
 
+
+def plot_figures(d: Doc, a: dict[str, Any], view: View) -> None:
+    plots = view.plots
     d.h(2, "Plots")
     d.img("Latency against concurrency, per configuration", plots["latency"])
     d.img("Latency-throughput Pareto chart", plots["pareto"])
     d.img("Predicted against measured decode rate", plots["predicted"])
 
+
+def engines(d: Doc, a: dict[str, Any], view: View) -> None:
     d.h(2, "How each engine expresses the levers")
     engines = a.get("engines") or {
         a["engine"]: {"installed": None, "capabilities": a.get("engine_capabilities") or {}}
@@ -554,13 +383,20 @@ def build(a: dict[str, Any], out_dir: Path, plots: dict[str, Path]) -> Doc:
         ["lever"] + names,
         [[lever] + [engines[n]["capabilities"].get(lever, "–") for n in names] for lever in LEVERS],
     )
-    notes = [c for c in configs if c["status"] in ("unavailable", "failed") or c.get("fidelity_error")]
+
+
+def not_run(d: Doc, a: dict[str, Any], view: View) -> None:
+    notes = [c for c in view.configs if c["status"] in ("unavailable", "failed") or c.get("fidelity_error")]
     if notes:
         d.h(2, "Configurations that did not run, or ran only in part")
         for c in notes:
             d.p(f"**{c['name']}** ({c['change']}): {status_text(c)}")
             if c.get("fidelity_error"):
                 d.pre(c["fidelity_error"][-1500:])
+
+
+def run_log(d: Doc, a: dict[str, Any], view: View) -> None:
+    configs = view.configs
     d.h(2, "Run log")
     d.p(
         f"{os.cpu_count()} CPU cores. The load average (1 min) at each configuration's start and end says how "
@@ -580,6 +416,9 @@ def build(a: dict[str, Any], out_dir: Path, plots: dict[str, Path]) -> Doc:
             for c in configs
         ],
     )
+
+
+def method(d: Doc, a: dict[str, Any], view: View) -> None:
     d.h(2, "Method")
     d.ul(
         [
@@ -593,14 +432,21 @@ def build(a: dict[str, Any], out_dir: Path, plots: dict[str, Path]) -> Doc:
             "Shared machine: figures are noisy; compare ratios within one study.",
         ]
     )
-    return d
 
 
-def write_report(out_dir: Path) -> dict[str, Any]:
-    a = analyze(out_dir)
-    plots = write_plots(a, out_dir / "plots")
-    doc = build(a, out_dir, plots)
-    (out_dir / "report.md").write_text(doc.markdown(out_dir))
-    (out_dir / "report.html").write_text(doc.html(f"LeverLab study: {Path(a['model']).name}"))
-    (out_dir / "analysis.json").write_text(json.dumps(to_jsonable(a), indent=1, default=str))
-    return a
+SECTIONS = (
+    header,
+    progression,
+    recommendation,
+    findings,
+    single_lever_tables,
+    predictions,
+    fidelity,
+    buckets,
+    sweep,
+    plot_figures,
+    engines,
+    not_run,
+    run_log,
+    method,
+)
