@@ -20,8 +20,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def small_run(fake_server, make_workload, tmp_path):
     wl = make_workload(
         {
-            "short": (4, [f"[ttft=20 itl=5] s{i}" for i in range(3)]),
-            "medium": (6, [f"[ttft=40 itl=5] m{i}" for i in range(3)]),
+            "short": (4, [f"[ttft=5 itl=5] s{i}" for i in range(3)]),
+            "medium": (6, [f"[ttft=60 itl=5] m{i}" for i in range(3)]),
         }
     )
     out = tmp_path / "run-a"
@@ -60,8 +60,8 @@ def test_results_folder_complete(small_run):
         assert g["requests"] == sum(r["group"] == g["name"] for r in records)
         assert g["total_output_tokens"] == sum(r["output_tokens"] for r in records if r["group"] == g["name"])
     short = summary["groups"][0]
-    assert short["good_requests"] == 3  # TTFT 20 ms under the 30 ms SLO
-    assert summary["groups"][1]["good_requests"] == 0  # TTFT 40 ms
+    assert short["good_requests"] == 3  # TTFT 5 ms under the 30 ms SLO (25 ms of margin for a loaded machine)
+    assert summary["groups"][1]["good_requests"] == 0  # TTFT 60 ms
 
     m = summary["manifest"]
     assert m["server"]["base_url"] == res.config.base_url and m["server"]["model"] == "fake-model"
