@@ -121,6 +121,40 @@ inline __m256i load_u4_block(const uint8_t* p) {  // 16 bytes -> 32 nibbles in o
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
 }
 
+// Two blocks at once (b even, b + 1): their 32 packed bytes in one load. Byte i of a block holds its weights i
+// (low nibble) and 16 + i (high), so one mask gives weights 0..15 of b then of b + 1 and a shift and a mask give
+// weights 16..31 of each: 1.5 ops per block where a lone block takes 3 and a 128-bit load. The activations
+// are put in the same order by two lane permutes of their natural layout (shared by every weight row that
+// meets them), and the two halves' products add in int16 before one vpmaddwd (|pair sum| <= 2 * 15 * 127, two
+// of them <= 7620: no saturation). Lanes 0..3 of the result sum block b's products, lanes 4..7 block b + 1's.
+inline void load_u4_pair(const uint8_t* p, __m256i& lo, __m256i& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(v, m);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+}
+
+inline void load_x_pair(const int8_t* p, __m256i& lo, __m256i& hi) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+  lo = _mm256_permute2x128_si256(a, b, 0x20);
+  hi = _mm256_permute2x128_si256(a, b, 0x31);
+}
+
+inline __m256i dot_u4_pair(__m256i wlo, __m256i whi, __m256i xlo, __m256i xhi) {
+  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(wlo, xlo), _mm256_maddubs_epi16(whi, xhi)),
+                           _mm256_set1_epi16(1));
+}
+
+inline __m256 pair_scale(float s0, float s1) {  // s0 in lanes 0..3 (block b), s1 in lanes 4..7 (block b + 1)
+  return _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
+}
+
+// A weight row's group scales over the pair (b, b + 1): one broadcast when groups span two blocks or more.
+inline __m256 pair_weight_scale(const float* s_row, int64_t b, int gshift) {
+  return gshift > 0 ? _mm256_broadcast_ss(s_row + (b >> gshift)) : pair_scale(s_row[b], s_row[b + 1]);
+}
+
 // ---- a single stream: one activation row ------------------------------------------------------------------
 inline __m256i dot_block_i8(__m256i w, __m256i x) {  // 8 int32 lanes summing the 32 products w * x
   // vpmaddubsw wants one unsigned operand: |w| x (x with w's sign)
@@ -148,22 +182,23 @@ inline float i8_row(const int8_t* wr, const QuantizedRows& x) {
   return hsum8(_mm256_add_ps(acc[0], acc[1]));
 }
 
-// int4: ws(b) = s_row[b >> gshift] (2^gshift blocks per group).
+// int4: ws(b) = s_row[b >> gshift] (2^gshift blocks per group). Blocks go in pairs (load_u4_pair).
 inline float u4_row(const uint8_t* wr, const float* s_row, int gshift, const QuantizedRows& x) {
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  auto step = [&](int64_t b, int u) {
-    const __m256i w = load_u4_block(wr + b * 16);
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * 32));
-    acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_block_u4(w, xv)), _mm256_set1_ps(s_row[b >> gshift] * x.scale[b]),
-                             acc[u]);
-  };
   int64_t b = 0;
-  for (; b + 2 <= x.B; b += 2) {
+  for (int u = 0; b + 2 <= x.B; b += 2, u ^= 1) {
     if ((b & 3) == 0) prefetch_stream(wr + b * 16 + kStreamAhead);  // one 64-byte line per 4 blocks
-    step(b, 0);
-    step(b + 1, 1);
+    __m256i wlo, whi, xlo, xhi;
+    load_u4_pair(wr + b * 16, wlo, whi);
+    load_x_pair(x.q + b * 32, xlo, xhi);
+    const __m256 sc = _mm256_mul_ps(pair_scale(x.scale[b], x.scale[b + 1]), pair_weight_scale(s_row, b, gshift));
+    acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4_pair(wlo, whi, xlo, xhi)), sc, acc[u]);
   }
-  if (b < x.B) step(b, 0);
+  if (b < x.B) {  // an odd last block
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * 32));
+    acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_block_u4(load_u4_block(wr + b * 16), xv)),
+                             _mm256_set1_ps(s_row[b >> gshift] * x.scale[b]), acc[0]);
+  }
   return hsum8(_mm256_add_ps(acc[0], acc[1]));
 }
 
@@ -200,21 +235,26 @@ inline void i8_dots_4rows(const int8_t* w, int64_t K, const QuantizedRows& x, fl
 inline void u4_dots_4rows(const uint8_t* w, int64_t K, const float* s, int64_t G, int gshift, const QuantizedRows& x,
                           float* out) {
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  const int64_t bpg = int64_t{1} << gshift;
-  for (int64_t j = 0; j < G; ++j) {  // group by group: x's block scales inside, the rows' group scales after
-    __m256 t[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t b = j * bpg; b < (j + 1) * bpg; ++b) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * 32));
-      const __m256 xs = _mm256_set1_ps(x.scale[b]);
+  int64_t b = 0;
+  for (; b + 2 <= x.B; b += 2) {  // blocks in pairs (load_u4_pair)
+    __m256i xlo, xhi;
+    load_x_pair(x.q + b * 32, xlo, xhi);
+    const __m256 xs = pair_scale(x.scale[b], x.scale[b + 1]);
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {
-        if ((b & 3) == 0) prefetch_stream(w + i * (K / 2) + b * 16 + kStreamAhead);
-        const __m256i wv = load_u4_block(w + i * (K / 2) + b * 16);
-        t[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_block_u4(wv, xv)), xs, t[i]);
-      }
+    for (int i = 0; i < 4; ++i) {
+      if ((b & 3) == 0) prefetch_stream(w + i * (K / 2) + b * 16 + kStreamAhead);
+      __m256i wlo, whi;
+      load_u4_pair(w + i * (K / 2) + b * 16, wlo, whi);
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4_pair(wlo, whi, xlo, xhi)),
+                               _mm256_mul_ps(xs, pair_weight_scale(s + i * G, b, gshift)), acc[i]);
     }
+  }
+  if (b < x.B) {  // an odd last block
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * 32));
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(t[i], _mm256_set1_ps(s[i * G + j]), acc[i]);
+    for (int i = 0; i < 4; ++i)
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_block_u4(load_u4_block(w + i * (K / 2) + b * 16), xv)),
+                               _mm256_set1_ps(s[i * G + (b >> gshift)] * x.scale[b]), acc[i]);
   }
   store_sums4(acc, out);
 }
@@ -297,9 +337,8 @@ inline void i8_tile(const int8_t* w, int64_t K, const QuantizedRows& x, int64_t 
 }
 
 // int4 weight rows (K / 2 bytes apart; group scales s, G per row) against quantized rows r0 .. r0 + MG, without
-// the zero point (the caller subtracts it): block b's scale is x's block scale times the row's group scale. With
-// several activation rows the two are multiplied per block (keeping one accumulator per pair of rows); a single
-// activation row sums a group's blocks with x's scales first and applies the group's scale once.
+// the zero point (the caller subtracts it): block b's scale is x's block scale times the row's group scale, the
+// two multiplied per pair of blocks (load_u4_pair) so that each (weight row, activation row) keeps one accumulator.
 template <int NW, int MG>
 inline void u4_tile(const uint8_t* w, int64_t K, const float* s, int64_t G, int gshift, const QuantizedRows& x,
                     int64_t r0, __m128* out) {
@@ -309,33 +348,35 @@ inline void u4_tile(const uint8_t* w, int64_t K, const float* s, int64_t G, int 
   const int8_t* xq[MG];  // the rows' pointers, hoisted: through x, gcc reloaded and re-multiplied them per block
   const float* xsc[MG];
   for (int m = 0; m < MG; ++m) xq[m] = x.q + (r0 + m) * x.K, xsc[m] = x.scale + (r0 + m) * x.B;
-  const int64_t bpg = int64_t{1} << gshift;
-  for (int64_t j = 0; j < G; ++j) {
-    __m256 ws[NW], t[NW];
-    for (int i = 0; i < NW; ++i) ws[i] = _mm256_broadcast_ss(s + i * G + j), t[i] = _mm256_setzero_ps();
-    for (int64_t b = j * bpg; b < (j + 1) * bpg; ++b) {
-      __m256i wv[NW];
+  int64_t b = 0;
+  for (; b + 2 <= x.B; b += 2) {
+    __m256i wlo[NW], whi[NW];
 #pragma GCC unroll 4
-      for (int i = 0; i < NW; ++i) {
-        if ((b & 3) == 0) prefetch_stream(w + i * (K / 2) + b * 16 + kStreamAhead);  // one line per 4 blocks
-        wv[i] = load_u4_block(w + i * (K / 2) + b * 16);
-      }
+    for (int i = 0; i < NW; ++i) {
+      if ((b & 3) == 0) prefetch_stream(w + i * (K / 2) + b * 16 + kStreamAhead);  // one line per 4 blocks
+      load_u4_pair(w + i * (K / 2) + b * 16, wlo[i], whi[i]);
+    }
 #pragma GCC unroll 4
+    for (int m = 0; m < MG; ++m) {
+      __m256i xlo, xhi;
+      load_x_pair(xq[m] + b * 32, xlo, xhi);
+      const __m256 xs = pair_scale(xsc[m][b], xsc[m][b + 1]);
+#pragma GCC unroll 4
+      for (int i = 0; i < NW; ++i)
+        acc[i][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4_pair(wlo[i], whi[i], xlo, xhi)),
+                                    _mm256_mul_ps(xs, pair_weight_scale(s + i * G, b, gshift)), acc[i][m]);
+    }
+  }
+  if (b < x.B) {  // an odd last block
+#pragma GCC unroll 4
+    for (int i = 0; i < NW; ++i) {
+      const __m256i wv = load_u4_block(w + i * (K / 2) + b * 16);
       for (int m = 0; m < MG; ++m) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + b * 32));
-        const __m256 xs = _mm256_broadcast_ss(xsc[m] + b);
-#pragma GCC unroll 4
-        for (int i = 0; i < NW; ++i) {
-          const __m256 d = _mm256_cvtepi32_ps(dot_block_u4(wv[i], xv));
-          if constexpr (MG == 1)
-            t[i] = _mm256_fmadd_ps(d, xs, t[i]);
-          else
-            acc[i][m] = _mm256_fmadd_ps(d, _mm256_mul_ps(xs, ws[i]), acc[i][m]);
-        }
+        acc[i][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_block_u4(wv, xv)),
+                                    _mm256_set1_ps(s[i * G + (b >> gshift)] * xsc[m][b]), acc[i][m]);
       }
     }
-    if constexpr (MG == 1)
-      for (int i = 0; i < NW; ++i) acc[i][0] = _mm256_fmadd_ps(t[i], ws[i], acc[i][0]);
   }
   reduce_tile<NW, MG>(acc, out);
 }
