@@ -206,6 +206,8 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
     @app.get("/health")
     async def health() -> Response:
         if getattr(engine, "healthy", True):
+            if getattr(engine, "degraded", False):  # replicas: some left, the others still serve
+                return R.OpenAIJSON({"status": "degraded", **engine.health()})
             return R.OpenAIJSON({"status": "ok"})
         return error_response(503, "the engine is not running")
 
