@@ -159,8 +159,8 @@ class ReplicaSet:
 
     def health(self) -> dict:
         """For /health: which replicas serve, and why the others left."""
-        return {"replicas": len(self.replicas), "replicas_up": sum(r.alive for r in self.replicas),
-                "down": {str(r.index): r.error for r in self.replicas if not r.alive}}
+        return {"replicas_up": sum(r.alive for r in self.replicas),
+                "replicas": [{"index": r.index, "pid": r.pid, "up": r.alive, "error": r.error} for r in self.replicas]}
 
     @property
     def capacity_seqs(self) -> int:
