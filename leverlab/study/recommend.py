@@ -42,7 +42,8 @@ def fidelity_phrase(c: dict[str, Any], baseline: str) -> str:
 
 def cost_per_1k_tokens(c: dict[str, Any]) -> float | None:
     tput = c["metrics"].get("out_tok_s_cmax")
-    return c["levers"].tensor_parallel_size * 1000 / tput if tput else None
+    ranks = c["levers"].tensor_parallel_size * c["levers"].data_parallel_size  # processes busy, one device each
+    return ranks * 1000 / tput if tput else None
 
 
 GOALS = (

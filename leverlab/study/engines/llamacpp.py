@@ -71,6 +71,8 @@ class LlamaCppEngine(Engine):
             gaps["speculation"] = "llama.cpp has no adaptive K"
         if levers.tensor_parallel_size != 1:
             gaps["tensor_parallel"] = "llama.cpp splits layers across devices, not tensors; none on CPU"
+        if levers.data_parallel_size != 1:
+            gaps["replicas"] = "llama-server is one process (--parallel adds slots, not replicas)"
         return gaps
 
     def command(self, model: str, levers: Levers, port: int) -> list[str]:
@@ -109,5 +111,6 @@ class LlamaCppEngine(Engine):
             "speculation": "draft model (llama-server -md), prompt lookup (llama_cpp.server); no EAGLE, no adaptive K",
             "prefix_caching": "per request: cache_prompt",
             "tensor_parallel": "not expressible (layer split only, GPU only)",
+            "replicas": "not expressible (one server process; run several behind a balancer)",
             "batch_policy": "llama-server -np N",
         }

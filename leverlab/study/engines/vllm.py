@@ -89,6 +89,8 @@ class VLLMEngine(Engine):
             cmd += ["--speculative-config", json.dumps(self._spec(levers.speculative, model), sort_keys=True)]
         cmd += ["--enable-prefix-caching" if levers.prefix_caching else "--no-enable-prefix-caching"]
         cmd += ["--tensor-parallel-size", str(levers.tensor_parallel_size)]
+        if levers.data_parallel_size != 1:
+            cmd += ["--data-parallel-size", str(levers.data_parallel_size)]
         cmd += ["--max-num-seqs", str(levers.max_num_seqs)]
         return cmd
 
@@ -112,5 +114,6 @@ class VLLMEngine(Engine):
             "speculation": "--speculative-config ngram | draft model | eagle/eagle3 (no adaptive K)",
             "prefix_caching": "--enable-prefix-caching / --no-enable-prefix-caching",
             "tensor_parallel": "--tensor-parallel-size",
+            "replicas": "--data-parallel-size",
             "batch_policy": "--max-num-seqs",
         }
