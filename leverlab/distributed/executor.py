@@ -95,7 +95,8 @@ class TPExecutor:
         self._monitor = threading.Thread(target=self._watch, name="leverlab-tp-monitor", daemon=True)
         self._monitor.start()
         try:
-            self.state = groups.init_groups(0, size, rdv.addr, port, device, dead=self._dead_worker)
+            self.state = groups.init_groups(0, size, rdv.addr, port, device, dead=self._dead_worker,
+                                            host_store=not rdv.agent_store)
             self.runner = Rank0Runner(self, config, model_path, max_model_len, tp=self.state, device=device)
             dist.broadcast(torch.tensor([self.runner.num_blocks], dtype=torch.int64), 0)  # the workers' KV size
         except BaseException:

@@ -39,12 +39,14 @@ def step_timeout() -> timedelta:
     return timedelta(seconds=float(env.get("LEVERLAB_TP_STEP_TIMEOUT_S", "30")))
 
 
-def init_groups(rank: int, size: int, addr: str, port: int, device: torch.device, dead=None) -> TPState:
-    """Join the ranks (rank 0 hosts torch.distributed's TCPStore on addr:port, node 0's address; the others
-    connect to it, from this host or another) and build both groups.
+def init_groups(rank: int, size: int, addr: str, port: int, device: torch.device, dead=None,
+                host_store: bool = True) -> TPState:
+    """Join the ranks (rank 0 hosts torch.distributed's TCPStore on addr:port, node 0's address, unless
+    host_store is False: torchrun's agent hosts it; the others connect to it, from this host or another) and
+    build both groups.
     dead (rank 0): returns a message when a local worker has died, so start-up fails at once, not at the timeout."""
-    store = dist.TCPStore(addr, port, size, is_master=rank == 0, timeout=RENDEZVOUS_TIMEOUT,
-                          wait_for_workers=False)
+    store = dist.TCPStore(addr, port, size, is_master=rank == 0 and host_store, timeout=RENDEZVOUS_TIMEOUT,
+                          wait_for_workers=False, multi_tenant=True)
     if rank == 0:
         keys = [f"leverlab-up-{r}" for r in range(1, size)]
         deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()

@@ -4,7 +4,8 @@ torch.distributed's own rendezvous: rank 0 hosts a TCPStore at MASTER_ADDR:MASTE
 connects to it, and the process groups (gloo on CPU, NCCL on CUDA) are built over it (groups.py). Settings
 come from the flags `--nnodes --node-rank --master-addr --master-port` (torchrun's and vLLM's names) or,
 unset, from the environment torchrun exports (WORLD_SIZE = hosts, RANK = this host, MASTER_ADDR,
-MASTER_PORT): one launch per host, each holding tp / nnodes consecutive ranks. Node 0 holds rank 0, the
+MASTER_PORT; under torchrun rank 0 joins the store torchrun's agent hosts): one launch per host, each
+holding tp / nnodes consecutive ranks. Node 0 holds rank 0, the
 engine, and serves the API; the other nodes only compute (distributed/node.py).
 
 On one host (nnodes 1) the store listens on a free loopback port picked at start, whatever the environment
@@ -27,6 +28,9 @@ class Rendezvous:
     nnodes: int
     node_rank: int
     size: int  # tensor-parallel ranks in all
+    # Under torchrun its agent on node 0 already hosts a TCPStore at MASTER_ADDR:MASTER_PORT (and says so in
+    # TORCHELASTIC_USE_AGENT_STORE): then rank 0 joins it as a client instead of binding the port again.
+    agent_store: bool = False
 
     @property
     def per_node(self) -> int:
@@ -70,4 +74,5 @@ def resolve(config: EngineConfig) -> Rendezvous:
     if not port:
         raise UnsupportedLever("--nnodes > 1 needs --master-port (or $MASTER_PORT): the port on node 0 where "
                                "the ranks meet")
-    return Rendezvous(addr, port, nnodes, node_rank, size)
+    return Rendezvous(addr, port, nnodes, node_rank, size,
+                      agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
