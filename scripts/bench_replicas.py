@@ -8,7 +8,7 @@ worse; no slower at c=1), and the CPU seconds the server's process tree spent pe
 (/proc: utime + stime of the server and its replicas), a figure that a busy machine disturbs less than wall
 time.
 
-    python scripts/bench_replicas.py [--model DIR] [--num-prompts 8] [--rounds 4] [--output-len N]
+    python scripts/bench_replicas.py [--model DIR] [--num-prompts N] [--rounds 4] [--output-len N]
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(default_model_path()))
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--num-prompts", type=int, default=8, help="medium-bucket prompts (cycled)")
+    ap.add_argument("--num-prompts", type=int, default=None,
+                    help="medium-bucket prompts, cycled (default: the whole bucket, as `leverlab bench`)")
     ap.add_argument("--rounds", type=int, default=4, help="requests per level: max(prompts, rounds x c)")
     ap.add_argument("--output-len", type=int, default=None, help="fixed output length (default: the bucket's)")
     args = ap.parse_args()

@@ -1,10 +1,14 @@
 """Which replica serves a request (data parallelism, engine/replicas.py): prefix affinity, else the least loaded.
 
 Affinity: the keys of a prompt's first full KV blocks are the prefix cache's own keys
-(block_manager.prefix_block_hashes), so the router remembers, per key, the replica that last computed that
-block. A new prompt goes to the replica holding its longest remembered prefix, where the blocks are likely
-still cached, unless that replica is busier than the least loaded one by more than `balance_slack`
-requests: past that, waiting behind the busy replica costs more than recomputing the prefix elsewhere.
+(block_manager.prefix_block_hashes), so the router remembers, per key, the replicas that computed that
+block. A new prompt goes to the least loaded replica holding its longest remembered prefix, where the blocks
+are likely still cached, unless that one is busier than the least loaded replica by more than
+`balance_slack` sequences: past that, waiting behind the busy replica costs more than recomputing the prefix
+elsewhere. The replica that recomputes it becomes a second holder, so later requests with that prefix can
+be balanced between the two without a miss (with one owner per key, the prefix would flip from replica to
+replica, each move a recompute: measured on the medium bucket at concurrency 16, 14 prompts' prefills for
+8 distinct prompts against 8 at one replica).
 Load is outstanding sequences (prompts x n), ties broken by outstanding tokens, then by round robin so that
 idle replicas take turns.
 
@@ -41,7 +45,7 @@ class Router:
     config: RouterConfig
     num_replicas: int
     loads: list[Load] = field(init=False)
-    _owner: OrderedDict[int, int] = field(init=False, default_factory=OrderedDict)  # block key -> replica
+    _holders: OrderedDict[int, set[int]] = field(init=False, default_factory=OrderedDict)  # block key -> replicas
     _turn: itertools.count = field(init=False, default_factory=itertools.count)
     affinity_routed: int = 0  # requests sent where their prefix was (a counter for /metrics)
 
@@ -60,8 +64,9 @@ class Router:
                                                   (r - start) % self.num_replicas))
         least = order[0]
         for key in reversed(keys):  # longest remembered prefix first
-            r = self._owner.get(key)
-            if r is not None and r in candidates:
+            holders = [r for r in order if r in self._holders.get(key, ())]  # least loaded first
+            if holders:
+                r = holders[0]
                 if self.loads[r].seqs - self.loads[least].seqs <= self.config.balance_slack:
                     self.affinity_routed += 1
                     return r
@@ -71,15 +76,17 @@ class Router:
     def record(self, keys: list[int], replica: int) -> None:
         """`replica` now computes (and will cache) these blocks."""
         for key in keys:
-            self._owner[key] = replica
-            self._owner.move_to_end(key)
-        while len(self._owner) > self.config.max_keys:
-            self._owner.popitem(last=False)
+            self._holders.setdefault(key, set()).add(replica)
+            self._holders.move_to_end(key)
+        while len(self._holders) > self.config.max_keys:
+            self._holders.popitem(last=False)
 
     def forget(self, replica: int) -> None:
         """A replica left: its cache is gone with it."""
-        for key in [k for k, r in self._owner.items() if r == replica]:
-            del self._owner[key]
+        for key in list(self._holders):
+            self._holders[key].discard(replica)
+            if not self._holders[key]:
+                del self._holders[key]
 
     def start(self, replica: int, seqs: int, tokens: int) -> None:
         self.loads[replica].seqs += seqs

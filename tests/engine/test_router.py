@@ -42,9 +42,12 @@ def test_affinity_then_least_loaded_past_the_slack():
     r.finish(first, 2, 20)
     assert r.choose(b, [0, 1]) == first and r.affinity_routed == 2
     assert r.choose(b, [1 - first]) == 1 - first  # its home out of rotation (full or dead)
+    r.record(b, 1 - first)  # computed there too: both hold it now, the less loaded of the two serves it
+    assert r.choose(b, [0, 1]) == 1 - first and r.affinity_routed == 3
+    r.forget(1 - first)
     r.forget(first)  # its cache left with it: the least loaded (the other, 0 outstanding against 1) wins
     assert r.loads[first].seqs == 1 and r.choose(b, [0, 1]) == 1 - first
-    assert r.affinity_routed == 2
+    assert r.affinity_routed == 3
 
 
 def test_least_loaded_by_sequences_then_tokens_then_turns():
