@@ -216,9 +216,10 @@ class BlockManager:
 
 
 def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """The prefix cache's key of a full block: its parent's key and its own token ids. Python's hash of a
-    tuple of ints is the same in every process (only str/bytes hashing is salted), so the replica router
-    (engine/router.py) computes, in the server's process, the keys a replica's cache holds."""
+    """The prefix cache's key of a full block: its parent's key and its own token ids. The replica router
+    (engine/router.py) walks the same chain in the server's process to know which prompts share blocks; it
+    compares keys only with keys of its own process (before Python 3.12, hash(None), the first block's
+    parent, differs between processes), never with a replica's."""
     return hash((parent, tokens))
 
 

@@ -294,6 +294,8 @@ class ReplicaSet:
     async def reset_prefix_cache(self) -> int:
         """Forget unused cached prefix blocks on every live replica; the number of blocks in all."""
         token = next(self._tokens)
+        with self._lock:
+            self.router.reset()
         fut: concurrent.futures.Future = concurrent.futures.Future()
         waiting = {r.index for r in self.replicas if r.alive}
         self._resets[token] = (fut, waiting, [0])

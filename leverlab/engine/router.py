@@ -81,6 +81,10 @@ class Router:
         while len(self._holders) > self.config.max_keys:
             self._holders.popitem(last=False)
 
+    def reset(self) -> None:
+        """The replicas' caches were emptied (/reset_prefix_cache): nobody holds anything."""
+        self._holders.clear()
+
     def forget(self, replica: int) -> None:
         """A replica left: its cache is gone with it."""
         for key in list(self._holders):
