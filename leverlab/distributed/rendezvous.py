@@ -14,9 +14,9 @@ says: several engines on one host (data-parallel replicas with TP) must not shar
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from leverlab import env
 from leverlab.config import EngineConfig
 from leverlab.errors import UnsupportedLever
 
@@ -47,7 +47,7 @@ class Rendezvous:
 
 
 def _env_int(name: str) -> int | None:
-    v = os.environ.get(name)
+    v = env.get(name, "")
     if v in (None, ""):
         return None
     try:
@@ -69,10 +69,10 @@ def resolve(config: EngineConfig) -> Rendezvous:
     if size % nnodes:
         raise UnsupportedLever(f"--tensor-parallel-size {size} does not split over --nnodes {nnodes}: each host "
                                "holds the same number of ranks")
-    addr = config.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    addr = config.master_addr or env.get("MASTER_ADDR", "") or "127.0.0.1"
     port = config.master_port or _env_int("MASTER_PORT")
     if not port:
         raise UnsupportedLever("--nnodes > 1 needs --master-port (or $MASTER_PORT): the port on node 0 where "
                                "the ranks meet")
     return Rendezvous(addr, port, nnodes, node_rank, size,
-                      agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+                      agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True")
