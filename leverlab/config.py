@@ -35,6 +35,15 @@ class EngineConfig:
     lm_head_quantization: str = "auto"  # the output head's precision (quant/registry.py: LM_HEAD_QUANTIZATION)
     speculative_config: dict | None = None
     tensor_parallel_size: int = 1  # > 1: one process per rank (leverlab/distributed, docs/tensor-parallel.md)
+    # > 1: that many engine processes (replicas) behind the one endpoint (engine/replicas.py), each with
+    # tensor_parallel_size ranks of its own
+    data_parallel_size: int = 1
+    # Tensor parallelism across hosts (distributed/rendezvous.py): one launch per host, ranks split evenly.
+    # None / 1 / 0 here fall back to torch.distributed's environment (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK).
+    nnodes: int | None = None
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
     # "eager" (default): no compilation; decode steps take the fused C++ forward (models/fused.py) either way.
     # "compiled": Inductor compiles the module path too (long prefill chunks), at a start-up cost of 40 s to
     # minutes per model and precision (cached on disk): on the bundled model it measured no faster.
@@ -54,8 +63,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
         # Whether the model's heads / vocabulary / MLP split over the ranks is checked when it loads
         # (distributed/parallel_state.py: check_model), with the numbers.
         if self.speculative_config:

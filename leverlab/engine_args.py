@@ -25,7 +25,8 @@ def _json_object(s: str) -> dict:
 ENGINE_FIELDS = (
     "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size",
     "num_kv_blocks", "kv_cache_memory", "kv_cache_memory_fraction", "enable_prefix_caching", "quantization",
-    "kv_cache_dtype", "lm_head_quantization", "speculative_config", "tensor_parallel_size", "execution_mode",
+    "kv_cache_dtype", "lm_head_quantization", "speculative_config", "tensor_parallel_size", "data_parallel_size",
+    "nnodes", "node_rank", "master_addr", "master_port", "execution_mode",
     "num_threads", "seed",
 )
 
@@ -54,6 +55,18 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="ranks (one process each) that split every layer (default 1; docs/tensor-parallel.md)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                   help="engine replicas (one process each, with its share of the cores and KV memory) behind "
+                   "the one endpoint; requests routed by prefix affinity, else to the least loaded (default 1)")
+    g.add_argument("--nnodes", type=int, default=None,
+                   help="hosts the tensor-parallel ranks span (default: $WORLD_SIZE under torchrun, else 1); "
+                   "one launch per host, see docs/tensor-parallel.md")
+    g.add_argument("--node-rank", type=int, default=None,
+                   help="this host's index (default: $RANK, else 0); node 0 serves the API, others only compute")
+    g.add_argument("--master-addr", default=None,
+                   help="address of node 0, where the ranks meet (default: $MASTER_ADDR, else 127.0.0.1)")
+    g.add_argument("--master-port", type=int, default=None,
+                   help="port of the rendezvous on node 0 (default: $MASTER_PORT; required with --nnodes > 1)")
     g.add_argument("--execution-mode", choices=("compiled", "eager"), default=None,
                    help="eager (default; decode runs the fused C++ forward) or compiled (Inductor for the "
                    "module path, i.e. long prefill chunks; cached on disk)")

@@ -12,6 +12,7 @@
 | LEVERLAB_TP_STEP_TIMEOUT_S    | seconds before a hung tensor-parallel rank fails the step (30)          |
 | LEVERLAB_API_KEY              | the server's API key when --api-key is not given                        |
 | LEVERLAB_TEST_FAIL_AT_STEP    | TESTS ONLY: the server's engine loop raises at that step (failure path) |
+| WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE | torchrun's: hosts, this host, the rendezvous, at TP > 1 when the flags are unset (distributed/rendezvous.py) |
 """
 
 from __future__ import annotations

@@ -2,12 +2,15 @@
 
 Prompts take vLLM's forms: a string, a list of token ids, `{"prompt": str}` (TextPrompt) or
 `{"prompt_token_ids": [...]}` (TokensPrompt), or a list of any of these. An LLM holds processes when it runs
-tensor-parallel: `close()` (or `with LLM(...) as llm:`) stops them, and so does collecting the object.
+tensor-parallel or data-parallel (`data_parallel_size=N`: N engine processes, each prompt routed to
+one): `close()` (or `with LLM(...) as llm:`) stops them, and so does collecting the object.
 """
 
 from __future__ import annotations
 
 import itertools
+import queue
+import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -52,7 +55,13 @@ class LLM:
     """LLM(model=PATH, dtype="bfloat16", **engine_options). Without `model`, the bundled default model."""
 
     def __init__(self, model: str | None = None, **kwargs):
-        self.engine = LLMEngine(EngineConfig(model=str(model) if model else "", **kwargs))
+        config = EngineConfig(model=str(model) if model else "", **kwargs)
+        if config.data_parallel_size > 1:  # replica processes, prompts spread over them (engine/replicas.py)
+            from leverlab.engine.replicas import ReplicaSet
+
+            self.engine = ReplicaSet(config)
+        else:
+            self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
         # Stops the tensor-parallel workers when the LLM is collected (or at exit) even without close();
@@ -83,6 +92,8 @@ class LLM:
         plist = list(params) if isinstance(params, Sequence) else [params] * len(plist_prompts)
         if len(plist) != len(plist_prompts):
             raise ValueError(f"{len(plist_prompts)} prompts but {len(plist)} SamplingParams")
+        if not isinstance(self.engine, LLMEngine):
+            return self._generate_on_replicas(plist_prompts, plist)
         order = []
         for prompt, p in zip(plist_prompts, plist):
             rid = f"llm-{next(self._ids)}"
@@ -95,8 +106,36 @@ class LLM:
                     done[out.request_id] = out
         return [done[r] for r in order]
 
+    def _submit(self, prompt: str | list[int], params: SamplingParams, sink) -> str:
+        rid = f"llm-{next(self._ids)}"
+        self.engine.submit(rid, self.engine.encode(prompt, params), params, sink, time.monotonic(), bounded=False)
+        return rid
+
+    def _generate_on_replicas(self, prompts: list, plist: list[SamplingParams]) -> list[RequestOutput]:
+        """Every prompt routed to a replica at once; the replicas' outputs arrive on one queue."""
+        inbox: queue.Queue = queue.Queue()
+        order = [self._submit(prompt, p, inbox.put) for prompt, p in zip(prompts, plist)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(order):
+            item = inbox.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                done[item.request_id] = item
+        return [done[r] for r in order]
+
     def stream(self, prompt: PromptType, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's cumulative output after every step that changed it (others keep running)."""
+        if not isinstance(self.engine, LLMEngine):
+            inbox: queue.Queue = queue.Queue()
+            self._submit(_one_prompt(prompt), params or SamplingParams(), inbox.put)
+            while True:
+                item = inbox.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
         rid = f"llm-{next(self._ids)}"
         self.engine.add_request(rid, _one_prompt(prompt), params or SamplingParams())
         while True:

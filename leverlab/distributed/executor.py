@@ -26,6 +26,7 @@ import torch.distributed as dist
 from leverlab.config import EngineConfig
 from leverlab.distributed import comm, groups, protocol
 from leverlab.distributed.parallel_state import check_model
+from leverlab.distributed.rendezvous import Rendezvous, resolve
 from leverlab.distributed.worker import WorkerArgs, worker_main
 from leverlab.engine.model_runner import ModelRunner, pick_device
 from leverlab.errors import TensorParallelError, UnsupportedLever
@@ -62,11 +63,15 @@ class Rank0Runner(ModelRunner):
 
 
 class TPExecutor:
-    def __init__(self, config: EngineConfig, model_path: str, max_model_len: int, threads: int):
+    def __init__(self, config: EngineConfig, model_path: str, max_model_len: int, threads: int,
+                 rdv: Rendezvous | None = None):
         size = config.tensor_parallel_size
+        rdv = rdv or resolve(config)
         device = pick_device(config.device)
-        if device.type == "cuda" and torch.cuda.device_count() < size:
-            raise UnsupportedLever(f"--tensor-parallel-size {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
+        local = rdv.per_node  # ranks on this host: 0 .. local-1 (other hosts start theirs: distributed/node.py)
+        if device.type == "cuda" and torch.cuda.device_count() < local:
+            raise UnsupportedLever(f"--tensor-parallel-size {size} over {rdv.nnodes} host(s) needs {local} GPUs "
+                                   f"per host; {torch.cuda.device_count()} visible")
         check_model(ModelConfig.from_folder(model_path), size)  # before any process starts
         if dist.is_initialized():
             raise UnsupportedLever("a tensor-parallel engine is already running in this process; close it first "
@@ -76,12 +81,13 @@ class TPExecutor:
         self.steps = 0
         self.broadcast_seconds = 0.0
         self._closed = False
-        port = _free_port()
+        port = rdv.port or _free_port()
         ctx = mp.get_context("spawn")  # a fresh interpreter: no fork of a process with threads and torch state
         self.procs = []
-        for rank in range(1, size):
+        for rank in range(1, local):
             dev = f"cuda:{rank}" if device.type == "cuda" else "cpu"
-            args = WorkerArgs(rank, size, port, config, model_path, max_model_len, threads, dev, os.getpid())
+            args = WorkerArgs(rank, size, rdv.addr, port, config, model_path, max_model_len, threads, dev,
+                              os.getpid())
             p = ctx.Process(target=worker_main, args=(args,), name=f"leverlab-tp-rank{rank}")
             p.start()
             self.procs.append(p)
@@ -89,14 +95,15 @@ class TPExecutor:
         self._monitor = threading.Thread(target=self._watch, name="leverlab-tp-monitor", daemon=True)
         self._monitor.start()
         try:
-            self.state = groups.init_groups(0, size, port, device, dead=self._dead_worker)
+            self.state = groups.init_groups(0, size, rdv.addr, port, device, dead=self._dead_worker,
+                                            host_store=not rdv.agent_store)
             self.runner = Rank0Runner(self, config, model_path, max_model_len, tp=self.state, device=device)
             dist.broadcast(torch.tensor([self.runner.num_blocks], dtype=torch.int64), 0)  # the workers' KV size
         except BaseException:
             self.close()
             raise
-        log.info("tensor parallel: %d ranks (%s, %d threads each), worker pids %s", size, device.type, threads,
-                 [p.pid for p in self.procs])
+        log.info("tensor parallel: %d ranks on %d host(s) (%s, %d threads each), local worker pids %s", size,
+                 rdv.nnodes, device.type, threads, [p.pid for p in self.procs])
 
     # ---- liveness ---------------------------------------------------------------------------------
     def _dead_worker(self) -> str | None:
@@ -107,7 +114,10 @@ class TPExecutor:
         return None
 
     def _watch(self) -> None:
-        """Wait on the workers' process sentinels; a death breaks the executor at once, even when idle."""
+        """Wait on the workers' process sentinels; a death breaks the executor at once, even when idle.
+        (Ranks on other hosts are not processes of ours: their death fails the next collective instead.)"""
+        if not self.procs:
+            return
         multiprocessing.connection.wait([p.sentinel for p in self.procs])
         if self._closed:
             return

@@ -39,11 +39,14 @@ def step_timeout() -> timedelta:
     return timedelta(seconds=float(env.get("LEVERLAB_TP_STEP_TIMEOUT_S", "30")))
 
 
-def init_groups(rank: int, size: int, port: int, device: torch.device, dead=None) -> TPState:
-    """Join the ranks (rank 0 hosts the TCP store on 127.0.0.1:port) and build both groups.
-    dead (rank 0): returns a message when a worker has died, so start-up fails at once, not at the timeout."""
-    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=RENDEZVOUS_TIMEOUT,
-                          wait_for_workers=False)
+def init_groups(rank: int, size: int, addr: str, port: int, device: torch.device, dead=None,
+                host_store: bool = True) -> TPState:
+    """Join the ranks (rank 0 hosts torch.distributed's TCPStore on addr:port, node 0's address, unless
+    host_store is False: torchrun's agent hosts it; the others connect to it, from this host or another) and
+    build both groups.
+    dead (rank 0): returns a message when a local worker has died, so start-up fails at once, not at the timeout."""
+    store = dist.TCPStore(addr, port, size, is_master=rank == 0 and host_store, timeout=RENDEZVOUS_TIMEOUT,
+                          wait_for_workers=False, multi_tenant=True)
     if rank == 0:
         keys = [f"leverlab-up-{r}" for r in range(1, size)]
         deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
@@ -51,7 +54,9 @@ def init_groups(rank: int, size: int, port: int, device: torch.device, dead=None
             if dead is not None and (why := dead()):
                 raise TensorParallelError(f"{why} while starting")
             if time.monotonic() > deadline:
-                raise TensorParallelError(f"tensor-parallel workers did not start within {RENDEZVOUS_TIMEOUT}")
+                missing = [k.rsplit("-", 1)[1] for k in keys if not store.check([k])]
+                raise TensorParallelError(f"tensor-parallel ranks {', '.join(missing)} did not join at {addr}:{port} "
+                                          f"within {RENDEZVOUS_TIMEOUT} (on other hosts: were they launched?)")
             time.sleep(0.05)
     else:
         store.set(f"leverlab-up-{rank}", "1")

@@ -30,12 +30,13 @@ log = logging.getLogger("leverlab")
 class WorkerArgs:
     rank: int
     size: int
+    addr: str  # node 0's address and the rendezvous port there (rendezvous.py)
     port: int
     config: EngineConfig
     model_path: str
     max_model_len: int
     threads: int
-    device: str  # "cpu" or "cuda:<rank>"
+    device: str  # "cpu" or "cuda:<local index>"
     parent_pid: int
 
 
@@ -57,7 +58,7 @@ def worker_main(args: WorkerArgs) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     try:
-        state = groups.init_groups(args.rank, args.size, args.port, device)
+        state = groups.init_groups(args.rank, args.size, args.addr, args.port, device)
         # Rank 0 sized the KV cache (its block manager hands out blocks for every rank): take its count.
         n = torch.zeros(1, dtype=torch.int64)
         dist.broadcast(n, 0)

@@ -125,7 +125,7 @@ class BlockManager:
         hit = 0
         for i in range(full):
             tokens = tuple(prompt[i * bs : (i + 1) * bs])
-            h = hash((parent, tokens))
+            h = block_hash(parent, tokens)
             block_id = self.cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
@@ -150,7 +150,7 @@ class BlockManager:
         pos = hit
         while pos < n:
             tokens = tuple(prompt[pos : pos + bs])
-            h = hash((parent, tokens))
+            h = block_hash(parent, tokens)
             if len(tokens) == bs and h in self.cached:
                 s.miss_last_block += bs
             elif len(tokens) == bs and h in self.evicted:
@@ -169,7 +169,7 @@ class BlockManager:
         for i in range(0, n, bs):
             tokens = tuple(prompt[i : i + bs])
             self.children.setdefault(parent, set()).add(tokens)
-            parent = hash((parent, tokens))
+            parent = block_hash(parent, tokens)
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register seq's blocks that have become full (all their tokens computed) in the cache."""
@@ -180,7 +180,7 @@ class BlockManager:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             tokens = tuple(seq.token_ids(i * bs, (i + 1) * bs))
-            h = hash((parent, tokens))
+            h = block_hash(parent, tokens)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if h not in self.cached and block.hash is None:
@@ -213,6 +213,25 @@ class BlockManager:
             if b.hash is not None:
                 assert self.cached.get(b.hash) == b.block_id, f"block {b.block_id} hash not indexed"
         assert len(held) + len(self.free) == self.num_blocks, "blocks leaked"
+
+
+def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """The prefix cache's key of a full block: its parent's key and its own token ids. The replica router
+    (engine/router.py) walks the same chain in the server's process to know which prompts share blocks; it
+    compares keys only with keys of its own process (before Python 3.12, hash(None), the first block's
+    parent, differs between processes), never with a replica's."""
+    return hash((parent, tokens))
+
+
+def prefix_block_hashes(prompt: list[int], block_size: int, limit: int) -> list[int]:
+    """Chain keys of the prompt's first `limit` full blocks, as match_prefix looks them up (it never reuses
+    the block holding the last prompt token, which is recomputed for its logits)."""
+    out: list[int] = []
+    parent = None
+    for i in range(min(limit, (len(prompt) - 1) // block_size)):
+        parent = block_hash(parent, tuple(prompt[i * block_size : (i + 1) * block_size]))
+        out.append(parent)
+    return out
 
 
 def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:

@@ -53,6 +53,19 @@ def validate_prompt(token_ids: list[int], max_tokens: int | None, vocab_size: in
     return EnginePrompt(list(token_ids), text, tokenize_s)
 
 
+def to_engine_prompt(prompt: str | list[int] | EnginePrompt, max_tokens: int | None, tokenizer: Any,
+                     vocab_size: int, max_model_len: int) -> EnginePrompt:
+    """A prompt from the Python API (text or ids) as an EnginePrompt; one already checked passes through."""
+    if isinstance(prompt, EnginePrompt):
+        return prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("prompt is empty")
+        return validate_prompt(tokenizer.encode(prompt, add_special_tokens=False), max_tokens, vocab_size,
+                               max_model_len, text=prompt)
+    return validate_prompt(list(prompt), max_tokens, vocab_size, max_model_len)
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     """What the server needs of an engine.

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from leverlab.config import EngineConfig, default_model_path
 from leverlab.engine.block_manager import BlockManager
-from leverlab.engine.client import EnginePrompt, validate_prompt
+from leverlab.engine.client import EnginePrompt, to_engine_prompt
 from leverlab.engine.detokenizer import Detokenizer, find_stop
 from leverlab.engine.model_runner import ModelRunner
 from leverlab.engine.request import Request
@@ -44,9 +44,21 @@ class LLMEngine:
         path = str(config.model or default_model_path())
         self.model_path = path
         self.model_config = ModelConfig.from_folder(path)
+        if config.data_parallel_size > 1:
+            raise ValueError("LLMEngine is one replica; data_parallel_size > 1 is served by engine/replicas.py "
+                             "(LLM and `leverlab serve` choose it)")
         tp_size = config.tensor_parallel_size
-        # Per rank: N ranks share the cores (cores // N each) instead of oversubscribing them.
-        threads = config.num_threads or max(1, _default_threads(self.model_config, config.dtype) // tp_size)
+        rdv = None
+        if tp_size > 1:
+            from leverlab.distributed.rendezvous import resolve
+
+            rdv = resolve(config)
+            if rdv.node_rank != 0:
+                raise ValueError(f"node rank {rdv.node_rank} holds tensor-parallel workers only, no engine: start "
+                                 "it with `leverlab serve ... --node-rank N` (distributed/node.py)")
+        # Per rank: the ranks on this host share its cores (cores // ranks each) instead of oversubscribing them.
+        local_ranks = rdv.per_node if rdv is not None else 1
+        threads = config.num_threads or max(1, _default_threads(self.model_config, config.dtype) // local_ranks)
         torch.set_num_threads(threads)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         max_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -57,7 +69,7 @@ class LLMEngine:
         if tp_size > 1:
             from leverlab.distributed.executor import TPExecutor
 
-            self.tp = TPExecutor(config, path, max_len, threads)
+            self.tp = TPExecutor(config, path, max_len, threads, rdv)
             self.runner = self.tp.runner
         else:
             self.runner = ModelRunner(config, path, max_len)
@@ -106,14 +118,8 @@ class LLMEngine:
     def encode(self, prompt: str | list[int] | EnginePrompt, params: SamplingParams) -> EnginePrompt:
         """Tokenize and check a prompt (client.validate_prompt: the one check); RequestError says what to fix.
         An EnginePrompt was checked where it was made and passes through."""
-        if isinstance(prompt, EnginePrompt):
-            return prompt
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("prompt is empty")
-            return validate_prompt(self.tokenizer.encode(prompt, add_special_tokens=False), params.max_tokens,
-                                   self.model_config.vocab_size, self.max_model_len, text=prompt)
-        return validate_prompt(list(prompt), params.max_tokens, self.model_config.vocab_size, self.max_model_len)
+        return to_engine_prompt(prompt, params.max_tokens, self.tokenizer, self.model_config.vocab_size,
+                                self.max_model_len)
 
     def add_request(self, request_id: str, prompt: str | list[int] | EnginePrompt, params: SamplingParams,
                     arrival_time: float | None = None) -> None:

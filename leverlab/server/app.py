@@ -206,6 +206,8 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
     @app.get("/health")
     async def health() -> Response:
         if getattr(engine, "healthy", True):
+            if hasattr(engine, "health"):  # replicas: each one's state; degraded once some left (others serve)
+                return R.OpenAIJSON({"status": "degraded" if engine.degraded else "ok", **engine.health()})
             return R.OpenAIJSON({"status": "ok"})
         return error_response(503, "the engine is not running")
 

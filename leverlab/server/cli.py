@@ -94,6 +94,7 @@ def lever_summary(engine: Any) -> str:
         "kv_cache_dtype",
         "speculative_config",
         "tensor_parallel_size",
+        "data_parallel_size",
         "enable_prefix_caching",
         "execution_mode",
         "device",
@@ -107,7 +108,7 @@ def lever_summary(engine: Any) -> str:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from leverlab.errors import UnsupportedLever
+    from leverlab.errors import EngineDeadError, UnsupportedLever
 
     try:
         cfg = engine_config(args)
@@ -118,10 +119,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"leverlab serve: invalid setting: {e}", file=sys.stderr)
         return 2
     try:
+        if cfg.tensor_parallel_size > 1:
+            from leverlab.distributed.rendezvous import resolve
+
+            rdv = resolve(cfg)
+            if rdv.node_rank != 0:  # another host of a multi-host job: its ranks only, no API
+                from leverlab.distributed.node import run_node
+
+                return run_node(cfg, rdv)
         return asyncio.run(_main(args, cfg))
     except (UnsupportedLever, ValueError) as e:  # a setting the engine refuses once it sees the model
         print(f"leverlab serve: {e}", file=sys.stderr)
         return 2
+    except EngineDeadError as e:  # a data-parallel replica died while starting (its log says why)
+        print(f"leverlab serve: {e}", file=sys.stderr)
+        return 1
     except OSError as e:  # no such model folder, unreadable weights
         print(f"leverlab serve: cannot load the model {cfg.model!r}: {e}", file=sys.stderr)
         return 1
@@ -138,7 +150,12 @@ async def _main(args: argparse.Namespace, cfg: Any) -> int:
     # switching in CPU-bound Python, and none while threads run torch ops or sleep (they drop the GIL).
     sys.setswitchinterval(0.001)
     # Built inside the running loop: the engine may bind its asyncio side to it.
-    engine = AsyncLLM(cfg)
+    if cfg.data_parallel_size > 1:
+        from leverlab.engine.replicas import ReplicaSet
+
+        engine = ReplicaSet(cfg)
+    else:
+        engine = AsyncLLM(cfg)
     app = build_app(engine, args)
     # Everything loaded so far (torch, transformers, the model) lives as long as the process: take it out of
     # the cyclic GC's sight. A full collection otherwise walks all of it while holding the GIL, which

@@ -13,6 +13,8 @@ Engine stats are read from `engine.stats()` at scrape time, by attribute name, t
     counters: dict[str, float]                  monotonic counters the levers add, exported as
                                                 leverlab_engine_<name>_total (prefix_cache_queries, prefix_cache_hits,
                                                 spec_draft_tokens, spec_accepted_tokens, preemptions, ...)
+    replicas                                    data parallelism: [(index, alive, stats)], exported per replica as
+                                                leverlab_replica_*{replica="i"} (the unlabelled samples are sums)
 """
 
 from __future__ import annotations
@@ -158,6 +160,41 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(metric, f"Engine counter {name}.")
             c.add_metric([], float(value))
             yield c
+        yield from _per_replica(_get(st, "replicas"))
+
+
+def _per_replica(replicas: Any):
+    """Data parallelism: the same gauges and counters for each replica, labelled replica="i" (the unlabelled
+    ones above are their sums), and whether it is up. A dead replica keeps its last counters."""
+    if not replicas:
+        return
+    up = GaugeMetricFamily("leverlab_replica_up", "1 while the data-parallel replica serves, 0 once it died.",
+                           labels=["replica"])
+    gauges = {name: GaugeMetricFamily(f"leverlab_replica_{name}", f"{name}, per data-parallel replica.",
+                                      labels=["replica"])
+              for name in ("num_requests_running", "num_requests_waiting", "kv_blocks_total", "kv_blocks_used")}
+    counters: dict[str, CounterMetricFamily] = {}
+    for index, alive, st in replicas:
+        label = [str(index)]
+        up.add_metric(label, 1.0 if alive else 0.0)
+        if st is None:
+            continue
+        if alive:
+            total, free = _get(st, "kv_blocks_total", "num_total_blocks"), _get(st, "kv_blocks_free", "num_free_blocks")
+            for name, value in (("num_requests_running", _get(st, "num_running")),
+                                ("num_requests_waiting", _get(st, "num_waiting")), ("kv_blocks_total", total),
+                                ("kv_blocks_used", total - free if total is not None and free is not None else None)):
+                if value is not None:
+                    gauges[name].add_metric(label, float(value))
+        for name, value in sorted((_get(st, "counters") or {}).items()):
+            metric = "leverlab_replica_engine_" + re.sub(r"[^a-zA-Z0-9_]", "_", str(name)).removesuffix("_total")
+            if metric not in counters:
+                counters[metric] = CounterMetricFamily(metric, f"Engine counter {name}, per replica.",
+                                                       labels=["replica"])
+            counters[metric].add_metric(label, float(value))
+    yield up
+    yield from gauges.values()
+    yield from counters.values()
 
 
 def _get(st: Any, *names: str) -> Any:

@@ -325,6 +325,52 @@ def check_tensor_parallel(a: dict[str, Any]) -> dict[str, str]:
     return _f("4", title, REPRODUCED if ev and sub else NOT_REPRODUCED, "; ".join(ev), "")
 
 
+def check_replicas_vs_tp(a: dict[str, Any]) -> dict[str, str]:
+    """The reference's trade: TP is the lever for single-request latency, replicas (TP=1 copies) the lever for
+    cost per token. Compares a replicas step with a tensor-parallel step made on the same parent: latency is the
+    P50 at concurrency 1, throughput per core the output tokens/s at the highest concurrency over the ranks
+    busy (TP x DP processes, one core each by default)."""
+    title = "TP wins single-request latency; replicas win throughput per core"
+    byn = _by_name(a)
+    dp = [c for c in a["configs"] if c["lever"] == "replicas"]
+    pairs = [(t, d) for d in dp for t in a["configs"] if t["lever"] == "tensor_parallel" and t["parent"] == d["parent"]]
+    if not pairs:
+        return _f("4b", title, NOT_TESTED, "", "the plan has no replicas step beside a tensor-parallel step on the "
+                  "same parent")
+    ran = [(t, d) for t, d in pairs if t["status"] == "done" and d["status"] == "done"]
+    if not ran:
+        return _f("4b", title, NOT_TESTED, "", "; ".join(_unavailable(c) for p in pairs for c in p if c["status"] != "done"))
+    ev, wins = [], []
+    for t, d in ran:
+        lt, ld = _m(t).get("e2e_p50_s"), _m(d).get("e2e_p50_s")
+        per_core = {}
+        for c in (t, d):
+            tput = _m(c).get("out_tok_s_cmax")
+            lv = c["levers"]
+            per_core[c["name"]] = tput / (lv.tensor_parallel_size * lv.data_parallel_size) if tput else None
+        pt, pd = per_core[t["name"]], per_core[d["name"]]
+        if not (lt and ld and pt and pd):
+            continue
+        lat_winner = t if lt < ld * (1 - MARGIN) else d if ld < lt * (1 - MARGIN) else None
+        tput_winner = d if pd > pt * (1 + MARGIN) else t if pt > pd * (1 + MARGIN) else None
+        ev.append(
+            f"on {byn[t['parent']]['name']}: latency (P50, concurrency 1) {t['name']} {lt:.2f} s vs {d['name']} "
+            f"{ld:.2f} s: {lat_winner['name'] if lat_winner else 'a tie'} wins; output tok/s per core at "
+            f"concurrency {_m(d).get('c_max')}: {t['name']} {pt:.1f} vs {d['name']} {pd:.1f}: "
+            f"{tput_winner['name'] if tput_winner else 'a tie'} wins"
+        )
+        wins.append((lat_winner is t, tput_winner is d))
+    if not wins:
+        return _f("4b", title, NOT_TESTED, "", "the steps ran but lack concurrency-1 latency or sweep throughput")
+    both = all(a_ and b_ for a_, b_ in wins)
+    one = any(a_ or b_ for a_, b_ in wins)
+    status = REPRODUCED if both else PARTLY if one else NOT_REPRODUCED
+    why = ("as the reference says: split the model to cut one request's latency, copy it to serve more per core"
+           if both else "on this machine TP's all-reduces and shared memory bandwidth change the trade "
+           "(docs/tensor-parallel.md: what to expect)")
+    return _f("4b", title, status, "; ".join(ev), why)
+
+
 def check_memory(a: dict[str, Any]) -> dict[str, str]:
     return _f(
         "5",
@@ -456,6 +502,7 @@ def check_all(a: dict[str, Any]) -> list[dict[str, str]]:
         check_separate_draft,
         check_exactness,
         check_tensor_parallel,
+        check_replicas_vs_tp,
         check_memory,
         check_multiply,
         check_batching,

@@ -9,6 +9,7 @@ Levers and the fields they own (a lever is the unit of "one change"):
   speculation      method, K, adaptive, draft/head folder    {"method": "ngram", "num_speculative_tokens": 4}
   prefix_caching   automatic prefix caching on/off           true / false
   tensor_parallel  tensor-parallel degree                    1, 2, 4
+  replicas         data-parallel replicas (engine processes)  1, 2
   batch_policy     max_num_seqs (sequences per step)         16, 64
   batching         how requests meet the server              "continuous" (default), "static" (waves of N =
                                                              the concurrency; a client-side workload)
@@ -32,6 +33,7 @@ LEVERS = (
     "speculation",
     "prefix_caching",
     "tensor_parallel",
+    "replicas",
     "batch_policy",
     "batching",
     "model",
@@ -54,6 +56,7 @@ class Levers:
     speculative: dict | None = None  # vLLM's --speculative-config shape
     prefix_caching: bool = True
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # replicas behind one endpoint (--data-parallel-size)
     max_num_seqs: int = 64
     batching: str = "continuous"  # "static": the harness sends waves (bench/strategies.py static_batches)
     model: str | None = None  # None: the study's model; else a smaller model of its family (right-sizing)
@@ -66,6 +69,7 @@ class Levers:
             "speculation": json.dumps(self.speculative, sort_keys=True) if self.speculative else None,
             "prefix_caching": self.prefix_caching,
             "tensor_parallel": self.tensor_parallel_size,
+            "replicas": self.data_parallel_size,
             "batch_policy": self.max_num_seqs,
             "batching": self.batching,
             "model": self.model,
@@ -99,6 +103,8 @@ class Levers:
             return replace(self, prefix_caching=value)
         if lever == "tensor_parallel":
             return replace(self, tensor_parallel_size=int(value))
+        if lever == "replicas":
+            return replace(self, data_parallel_size=int(value))
         if lever == "batch_policy":
             return replace(self, max_num_seqs=int(value))
         if lever == "batching":
@@ -139,6 +145,8 @@ class Levers:
             return "static batches (N = concurrency)" if self.batching == "static" else "continuous"
         if lever == "model":
             return Path(self.model).name if self.model else "the study's model"
+        if lever == "replicas":
+            return f"DP={self.data_parallel_size}"
         return f"max_num_seqs={self.max_num_seqs}"
 
 
@@ -280,6 +288,8 @@ def _reference_steps(b: PlanBuilder, *, full: bool) -> PlanBuilder:
         "champion", "precision", "int4", parent="int8-eagle", note="INT4 + EAGLE: the reference's champion"
     )
     b.step("champion-tp2", "tensor_parallel", 2, note="the champion at tensor-parallel size 2")
+    b.step("champion-dp2", "replicas", 2, parent="champion",
+           note="two replicas of the champion (the same cores as TP=2): the reference's cost-per-token lever")
     if full:
         b.step("int8-kv-int8", "kv_cache_dtype", "int8", parent="int8", note="8-bit KV cache")
         b.step("no-prefix-cache", "prefix_caching", False, parent="baseline", note="prefix caching off")
@@ -448,6 +458,6 @@ def parse_value(lever: str, value: str) -> Any:
         if value.lower() not in ("on", "off", "true", "false"):
             raise PlanError(f"prefix_caching is on or off, got {value!r}")
         return value.lower() in ("on", "true")
-    if lever in ("tensor_parallel", "batch_policy"):
+    if lever in ("tensor_parallel", "replicas", "batch_policy"):
         return int(value)
     return value  # precision, kv_cache_dtype, batching, model: as written

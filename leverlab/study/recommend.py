@@ -42,8 +42,9 @@ def fidelity_phrase(c: dict[str, Any], baseline: str) -> str:
 
 
 def devices(c: dict[str, Any]) -> int:
-    """Devices a configuration pays for: one per tensor-parallel rank."""
-    return c["levers"].tensor_parallel_size
+    """Devices a configuration pays for: one per process that is busy serving, tensor-parallel ranks times
+    data-parallel replicas."""
+    return c["levers"].tensor_parallel_size * c["levers"].data_parallel_size
 
 
 def cost_per_1k_tokens(c: dict[str, Any]) -> float | None:

@@ -169,6 +169,28 @@ def test_tensor_parallel_not_tested_quotes_the_engine():
     assert f["status"] == F.NOT_TESTED and "not built yet" in f["why"]
 
 
+def _tp_dp(tp_lat, tp_tput, dp_lat, dp_tput):
+    return {"configs": [
+        cfg("b", None, None, Levers()),
+        cfg("tp2", "b", "tensor_parallel", Levers(tensor_parallel_size=2), e2e_p50_s=tp_lat,
+            out_tok_s_cmax=tp_tput, c_max=16),
+        cfg("dp2", "b", "replicas", Levers(data_parallel_size=2), e2e_p50_s=dp_lat, out_tok_s_cmax=dp_tput,
+            c_max=16),
+    ]}
+
+
+def test_replicas_vs_tp_names_the_winner_of_each():
+    f = F.check_replicas_vs_tp(_tp_dp(1.0, 100.0, 2.0, 180.0))  # the reference's trade
+    assert f["status"] == F.REPRODUCED
+    assert "tp2 wins" in f["evidence"] and "dp2 wins" in f["evidence"] and "50.0 vs dp2 90.0" in f["evidence"]
+    f = F.check_replicas_vs_tp(_tp_dp(3.0, 50.0, 1.0, 180.0))  # replicas win both (one shared CPU)
+    assert f["status"] == F.PARTLY and "latency (P50, concurrency 1) tp2 3.00 s vs dp2 1.00 s: dp2 wins" in f["evidence"]
+    f = F.check_replicas_vs_tp(_tp_dp(3.0, 200.0, 1.0, 100.0))
+    assert f["status"] == F.NOT_REPRODUCED
+    only_tp = {"configs": _tp_dp(1, 1, 1, 1)["configs"][:2]}
+    assert F.check_replicas_vs_tp(only_tp)["status"] == F.NOT_TESTED
+
+
 def test_multiply_compares_the_same_change_on_two_parents():
     sp = {"method": "eagle"}
     a = {
@@ -186,7 +208,7 @@ def test_multiply_compares_the_same_change_on_two_parents():
 
 def test_check_all_never_raises():
     out = F.check_all({"configs": [cfg("b", None, None, Levers(), "failed")], "bandwidth_gbs": 10.0})
-    assert len(out) == 10 and all(
+    assert len(out) == 11 and all(
         f["status"] in (F.REPRODUCED, F.PARTLY, F.NOT_REPRODUCED, F.NOT_TESTED) for f in out
     )
 

@@ -30,10 +30,14 @@ def test_default_plan_follows_the_reference_progression():
         "int8-eagle",
         "champion",
         "champion-tp2",
+        "champion-dp2",
     ]
     champ = plan.step("champion").levers
     assert champ.quantization == "int4" and champ.speculative["method"] == "eagle"
     assert plan.step("champion-tp2").levers.tensor_parallel_size == 2
+    # replicas beside TP on the same parent: the report's replicas-vs-TP finding compares the two
+    dp2 = plan.step("champion-dp2")
+    assert dp2.parent == "champion" and dp2.levers.data_parallel_size == 2 and dp2.change == "replicas: DP=2"
     assert plan.concurrency[0] == 1 and max(plan.concurrency) == 16
 
 

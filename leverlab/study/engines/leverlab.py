@@ -65,6 +65,7 @@ class LeverLabEngine(Engine):
                 kv_cache_dtype=levers.kv_cache_dtype,
                 speculative_config=spec,
                 tensor_parallel_size=levers.tensor_parallel_size,
+                data_parallel_size=levers.data_parallel_size,
                 enable_prefix_caching=levers.prefix_caching,
                 max_num_seqs=levers.max_num_seqs,
                 execution_mode=self.execution_mode,
@@ -98,6 +99,8 @@ class LeverLabEngine(Engine):
             cmd += ["--speculative-config", json.dumps(self._spec(levers), sort_keys=True)]
         cmd += ["--enable-prefix-caching" if levers.prefix_caching else "--no-enable-prefix-caching"]
         cmd += ["--tensor-parallel-size", str(levers.tensor_parallel_size)]
+        if levers.data_parallel_size != 1:
+            cmd += ["--data-parallel-size", str(levers.data_parallel_size)]
         cmd += ["--max-num-seqs", str(levers.max_num_seqs)]
         if self.max_num_batched_tokens:
             cmd += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
@@ -115,6 +118,7 @@ class LeverLabEngine(Engine):
             "speculation": "--speculative-config (the engine refuses methods not built yet)",
             "prefix_caching": "--enable-prefix-caching / --no-enable-prefix-caching",
             "tensor_parallel": "--tensor-parallel-size (one process per rank, cores // size threads each)",
+            "replicas": "--data-parallel-size (one engine process per replica, prefix-affinity routing)",
             "batch_policy": "--max-num-seqs",
             "batching": "continuous in the engine; static as a client-side workload (waves), on any engine",
             "model": "the model folder served (right-sizing)",

@@ -206,6 +206,8 @@ class LlamaCppEngine(Engine):
             gaps["speculation"] = "llama.cpp has no adaptive K"
         if levers.tensor_parallel_size != 1:
             gaps["tensor_parallel"] = "llama.cpp splits layers across devices, not tensors; none on CPU"
+        if levers.data_parallel_size != 1:
+            gaps["replicas"] = "llama-server is one process (--parallel adds slots, not replicas)"
         return gaps
 
     def start(self, model: str, levers: Levers, log_path: Path, timeout: float = 300.0) -> ServerHandle:
@@ -271,6 +273,7 @@ class LlamaCppEngine(Engine):
             "speculation": "draft model (-md), n-gram (--spec-type ngram-simple); no EAGLE, no adaptive K",
             "prefix_caching": "per request: cache_prompt",
             "tensor_parallel": "not expressible (layer split only, GPU only)",
+            "replicas": "not expressible (one server process; run several behind a balancer)",
             "batch_policy": "llama-server -np N",
             "batching": "continuous in the server; static as a client-side workload (waves)",
             "model": "the model lever's folder, converted to GGUF like the study's model",

@@ -109,9 +109,8 @@ class VLLMEngine(Engine):
             cmd += ["--speculative-config", json.dumps(self._spec(levers.speculative, model), sort_keys=True)]
         cmd += ["--enable-prefix-caching" if levers.prefix_caching else "--no-enable-prefix-caching"]
         cmd += ["--tensor-parallel-size", str(levers.tensor_parallel_size)]
-        replicas = getattr(levers, "replicas", 1)  # the replicas lever (issue 19), where the plan has it
-        if replicas and replicas > 1:
-            cmd += ["--data-parallel-size", str(replicas)]
+        if levers.data_parallel_size != 1:
+            cmd += ["--data-parallel-size", str(levers.data_parallel_size)]
         cmd += ["--max-num-seqs", str(levers.max_num_seqs)]
         return cmd
 
@@ -141,8 +140,8 @@ class VLLMEngine(Engine):
             "speculation": "--speculative-config ngram | draft_model | eagle3 (our heads as speculators); no adaptive K",
             "prefix_caching": "--enable-prefix-caching / --no-enable-prefix-caching",
             "tensor_parallel": "--tensor-parallel-size",
+            "replicas": "--data-parallel-size",
             "batch_policy": "--max-num-seqs",
             "batching": "continuous in the engine; static as a client-side workload (waves)",
             "model": "the model served (right-sizing)",
-            "replicas": "--data-parallel-size",
         }

@@ -1,0 +1,137 @@
+"""Replicas benchmark (issue 19): `leverlab serve --data-parallel-size 2` against one replica, one run.
+
+For each of DP=1 and DP=2 it starts a real server on the bundled model (or --model), then drives it with the
+`leverlab bench` harness over HTTP: the medium bucket (512 tokens in, output length fixed by the bucket or
+--output-len, ignore_eos), closed loop at concurrency 16, then at concurrency 1. It prints output tokens/s and
+P50 latency for both, the DP=2 / DP=1 ratios against the issue's bar (>= 1.6x tokens/s at c=16 with P50 not
+worse; no slower at c=1), and the CPU seconds the server's process tree spent per 1,000 output tokens
+(/proc: utime + stime of the server and its replicas), a figure that a busy machine disturbs less than wall
+time.
+
+    python scripts/bench_replicas.py [--model DIR] [--num-prompts N] [--rounds 4] [--output-len N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of pid and every live descendant."""
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(d.name)] = int(fields[1])
+        cpu[int(d.name)] = (int(fields[11]) + int(fields[12])) / TICK
+    total, stack = 0.0, [pid]
+    while stack:
+        p = stack.pop()
+        total += cpu.get(p, 0.0)
+        stack.extend(c for c, pp in parent.items() if pp == p)
+    return total
+
+
+def start_server(model: str, dp: int, dtype: str, log) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "leverlab.cli", "serve", model, "--port", str(port), "--dtype", dtype,
+           "--data-parallel-size", str(dp), "--disable-log-requests"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server (DP={dp}) exited with {proc.returncode}; log: {log.name}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"server (DP={dp}) not healthy after 600 s; log: {log.name}")
+
+
+def measure(url: str, pid: int, c: int, args) -> dict:
+    from leverlab.bench import BenchConfig, run_benchmark
+
+    cfg = BenchConfig(base_url=url + "/v1", buckets=["medium"], sweep_bucket="medium", single=False,
+                      concurrency=[c], sweep_rounds=args.rounds, num_prompts=args.num_prompts,
+                      output_len=args.output_len, warmup=2, scrape_metrics=False)
+    cpu0 = tree_cpu_s(pid)
+    res = run_benchmark(cfg)
+    cpu = tree_cpu_s(pid) - cpu0  # the warm-up requests included: a small, equal share for both settings
+    g = res.group(f"sweep/medium/c{c}")
+    out = g["total_output_tokens"]
+    return {"tok_s": g["output_throughput"], "p50_s": g["e2e_s"]["p50"], "errors": g["errors"],
+            "out": out, "cpu_per_1k": 1000 * cpu / out if out else float("nan"),
+            "mismatches": g["output_len_mismatches"]}
+
+
+def main() -> int:
+    from leverlab.config import default_model_path
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(default_model_path()))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--num-prompts", type=int, default=None,
+                    help="medium-bucket prompts, cycled (default: the whole bucket, as `leverlab bench`)")
+    ap.add_argument("--rounds", type=int, default=4, help="requests per level: max(prompts, rounds x c)")
+    ap.add_argument("--output-len", type=int, default=None, help="fixed output length (default: the bucket's)")
+    args = ap.parse_args()
+
+    results: dict[tuple[int, int], dict] = {}
+    for dp in (1, 2):
+        with tempfile.NamedTemporaryFile("wb", prefix=f"bench-replicas-dp{dp}-", suffix=".log", delete=False) as log:
+            proc, url = start_server(args.model, dp, args.dtype, log)
+            try:
+                for c in (16, 1):
+                    results[(dp, c)] = r = measure(url, proc.pid, c, args)
+                    print(f"DP={dp} c={c:<2}: {r['tok_s']:7.1f} out tok/s, P50 {r['p50_s']:6.2f} s, "
+                          f"{r['cpu_per_1k']:5.2f} CPU s / 1k tokens, {r['errors']} errors, "
+                          f"{r['mismatches']} length mismatches", flush=True)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=60)
+
+    print(f"\nmodel {args.model}, medium bucket, {os.cpu_count()} cores; DP=2 / DP=1:")
+    bars = []
+    for c in (16, 1):
+        a, b = results[(1, c)], results[(2, c)]
+        tput, p50 = b["tok_s"] / a["tok_s"], b["p50_s"] / a["p50_s"]
+        print(f"  c={c:<2}: output tok/s {tput:.2f}x, P50 latency {p50:.2f}x, CPU s per 1k tokens "
+              f"{b['cpu_per_1k'] / a['cpu_per_1k']:.2f}x")
+        bars += [(f"c=16 tok/s >= 1.6x ({tput:.2f}x)", tput >= 1.6), (f"c=16 P50 not worse ({p50:.2f}x)", p50 <= 1.0)] \
+            if c == 16 else [(f"c=1 no slower (tok/s {tput:.2f}x)", tput >= 1.0)]
+    for what, ok in bars:
+        print(f"  bar: {what}: {'met' if ok else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
