@@ -48,13 +48,17 @@ async def _one_stream(client: httpx.AsyncClient, i: int, max_tokens: int) -> tup
 def test_64_concurrent_streams_complete_or_get_clean_503(small_server):
     before = small_server.metrics()
 
-    peaks = {"running": 0.0, "waiting": 0.0, "used": 0.0}
+    peaks = {"running": 0.0, "in_flight": 0.0, "used": 0.0}
 
     async def watch(client: httpx.AsyncClient) -> None:  # the gauges, live during the load
         while True:
             m = small_server.parse_metrics((await client.get("/metrics")).text)
             peaks["running"] = max(peaks["running"], m["leverlab_num_requests_running"])
-            peaks["waiting"] = max(peaks["waiting"], m["leverlab_num_requests_waiting"])
+            # The bound the server keeps (admission.py) is on sequences running or waiting together: at the
+            # moment a burst lands, before the scheduler runs, all of them may be waiting (or a preempted one
+            # goes back to waiting), so the waiting gauge alone may pass --max-waiting.
+            in_flight = m["leverlab_num_requests_running"] + m["leverlab_num_requests_waiting"]
+            peaks["in_flight"] = max(peaks["in_flight"], in_flight)
             peaks["used"] = max(peaks["used"], m["leverlab_kv_blocks_used"])
             await asyncio.sleep(0.01)
 
@@ -69,7 +73,7 @@ def test_64_concurrent_streams_complete_or_get_clean_503(small_server):
 
     results = asyncio.run(main())
     assert 0 < peaks["running"] <= MAX_NUM_SEQS and peaks["used"] > 0, peaks
-    assert peaks["waiting"] <= MAX_WAITING, peaks
+    assert peaks["in_flight"] <= MAX_NUM_SEQS + MAX_WAITING, peaks
     outcomes = [r[0] for r in results]
     completed, rejected = outcomes.count("completed"), outcomes.count("rejected")
     assert completed + rejected == 64
