@@ -212,9 +212,11 @@ inline float u4_row(const uint8_t* wr, const float* s_row, int gshift, const Qua
 // row-by-row pass's 12-13.
 constexpr int64_t kFourRowsMaxK = 512;
 
-inline void store_sums4(const __m256 acc[4], float* out) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+// The horizontal sums of a[0 .. n), n <= 4, as the lanes of one vector (zero past n).
+inline __m128 hsums(const __m256* a, int n) {
+  const __m256 z = _mm256_setzero_ps();
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], n > 1 ? a[1] : z), _mm256_hadd_ps(n > 2 ? a[2] : z, n > 3 ? a[3] : z));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
 inline void i8_dots_4rows(const int8_t* w, int64_t K, const QuantizedRows& x, float* out) {
@@ -229,7 +231,7 @@ inline void i8_dots_4rows(const int8_t* w, int64_t K, const QuantizedRows& x, fl
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_block_i8(wv, xv)), xs, acc[i]);
     }
   }
-  store_sums4(acc, out);
+  _mm_storeu_ps(out, hsums(acc, 4));
 }
 
 inline void u4_dots_4rows(const uint8_t* w, int64_t K, const float* s, int64_t G, int gshift, const QuantizedRows& x,
@@ -256,7 +258,7 @@ inline void u4_dots_4rows(const uint8_t* w, int64_t K, const float* s, int64_t G
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_block_u4(load_u4_block(w + i * (K / 2) + b * 16), xv)),
                                _mm256_set1_ps(s[i * G + (b >> gshift)] * x.scale[b]), acc[i]);
   }
-  store_sums4(acc, out);
+  _mm_storeu_ps(out, hsums(acc, 4));
 }
 
 // ---- several activation rows: tiles of NW weight rows x MG activation rows ---------------------------------
@@ -269,12 +271,6 @@ inline void u4_dots_4rows(const uint8_t* w, int64_t K, const float* s, int64_t G
 // tile pass is 1.2-1.4x faster for int8 at 2..16 rows, and for int4 1.3-1.8x, 1.6-2.0x with its blocks in pairs.
 // At one row the tiles measured 6-10% slower than the single-stream code above, which therefore stays.
 
-// The horizontal sums of a[0 .. n), n <= 4, as the lanes of one vector (zero past n).
-inline __m128 hsums(const __m256* a, int n) {
-  const __m256 z = _mm256_setzero_ps();
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], n > 1 ? a[1] : z), _mm256_hadd_ps(n > 2 ? a[2] : z, n > 3 ? a[3] : z));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
 
 // The tile's sums as vectors: out[i] holds weight row i's, lane m for activation row m.
 template <int NW, int MG>
