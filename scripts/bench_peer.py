@@ -28,13 +28,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -46,6 +43,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_decode import aggregate_decode  # noqa: E402
 from bench_quant import step_weight_bytes  # noqa: E402
+from server_proc import free_port, stop, wait_ready  # noqa: E402
 
 from leverlab.bench import peer_llamacpp as peer  # noqa: E402
 from leverlab.study.bandwidth import measure_bandwidth  # noqa: E402
@@ -193,41 +191,6 @@ def theirs_measure(key: str, bins: dict, gguf: Path, args) -> tuple[float | None
     else:
         r = theirs_batched(bins, gguf, args.threads, args.prompt_len, args.decode_len, args.batch)
     return (r and r["speed_tg" if key == "decode16" else "avg_ts"]), r
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(proc: subprocess.Popen, port: int, timeout: float) -> bool:
-    """Until GET /health answers 200 (both servers: llama-server answers 503 while it loads), the process dies,
-    or timeout."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            return False
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return True
-        time.sleep(0.5)
-    return False
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server we started (by its pid), SIGKILL if it does not exit in 30 s."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def serve_and_bench(name: str, cmd: list, port: int, out_dir: Path, args) -> dict | None:

@@ -15,25 +15,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from server_proc import free_port, stop, wait_ready  # noqa: E402
+
 TICK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tree_cpu_s(pid: int) -> float:
@@ -62,19 +55,12 @@ def start_server(model: str, dp: int, dtype: str, log) -> tuple[subprocess.Popen
     cmd = [sys.executable, "-m", "leverlab.cli", "serve", model, "--port", str(port), "--dtype", dtype,
            "--data-parallel-size", str(dp), "--disable-log-requests"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server (DP={dp}) exited with {proc.returncode}; log: {log.name}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"server (DP={dp}) not healthy after 600 s; log: {log.name}")
+    if not wait_ready(proc, port, 600):
+        code = proc.poll()
+        stop(proc)
+        raise SystemExit(f"server (DP={dp}) exited with {code}; log: {log.name}" if code is not None
+                         else f"server (DP={dp}) not healthy after 600 s; log: {log.name}")
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def measure(url: str, pid: int, c: int, args) -> dict:
@@ -116,8 +102,7 @@ def main() -> int:
                           f"{r['cpu_per_1k']:5.2f} CPU s / 1k tokens, {r['errors']} errors, "
                           f"{r['mismatches']} length mismatches", flush=True)
             finally:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=60)
+                stop(proc, grace_s=60)
 
     print(f"\nmodel {args.model}, medium bucket, {os.cpu_count()} cores; DP=2 / DP=1:")
     bars = []

@@ -18,8 +18,6 @@ import collections
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +26,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from server_proc import free_port, stop, wait_ready  # noqa: E402
 
 WEIRD = [None, True, False, 0, -1, 1, 2**31, 2**63, -(2**63) - 1, 10**30, 0.5, -0.0, 1e308, "", "x", "5",
          "NaN", [], [1], [[1]], {}, {"a": 1}, "\u0000", "😀" * 3, [None], list(range(50)), "a" * 5000]
@@ -182,12 +183,6 @@ async def run(base_url: str, total: int, seed: int, concurrency: int) -> collect
     return counts
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(model: str | None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     # A 512-token context: a chat that lost its max_tokens fills the context, and on the bundled model's 4096
@@ -195,19 +190,11 @@ def start_server(model: str | None) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "leverlab.cli", "serve", *([model] if model else []), "--port", str(port),
            "--disable-log-requests", "--max-model-len", "512"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(os.devnull, "w"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("server did not start")
+    if not wait_ready(proc, port, 300):
+        code = proc.poll()
+        stop(proc)
+        raise SystemExit(f"server exited with {code}" if code is not None else "server did not start")
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def kv_blocks_used(url: str) -> float | None:
@@ -244,11 +231,7 @@ def main() -> int:
         return 0 if fivexx == 0 and alive and not used else 1
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc, grace_s=60)
 
 
 if __name__ == "__main__":
