@@ -12,8 +12,6 @@ import dataclasses
 import logging
 import os
 import sys
-import threading
-import time
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +19,7 @@ import torch.distributed as dist
 
 from leverlab.config import EngineConfig
 from leverlab.distributed import groups, protocol
+from leverlab.engine.parent_watch import exit_with_parent
 from leverlab.layers.attention import AttentionMetadata, forward_context, max_query_len_of
 
 log = logging.getLogger("leverlab")
@@ -40,19 +39,9 @@ class WorkerArgs:
     parent_pid: int
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """If rank 0's process goes away without a word (killed), leave too."""
-    def watch():
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(3)
-
-    threading.Thread(target=watch, name="leverlab-tp-parent-watch", daemon=True).start()
-
-
 def worker_main(args: WorkerArgs) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{args.rank} %(levelname)s %(message)s")
-    _exit_with_parent(args.parent_pid)
+    exit_with_parent(args.parent_pid, "leverlab-tp-parent-watch")  # rank 0 killed without a word: leave too
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda":

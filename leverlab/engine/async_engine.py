@@ -91,6 +91,14 @@ class _Mailbox:
                 self.event.clear()  # under the lock: a put after this sets it again
             await self.event.wait()
 
+    async def until_finished(self) -> AsyncIterator[RequestOutput]:
+        """The outputs as they come, ending after the finished one (an error is raised)."""
+        while True:
+            item = await self.get()
+            yield item
+            if item.finished:
+                return
+
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, served_model_name: str | None = None):
@@ -147,12 +155,9 @@ class AsyncLLM:
             if self._dead is not None:  # died between the check above and the registration
                 raise EngineDeadError(f"the engine loop has stopped: {self._dead!r}")
             self._inbox.put(("add", request_id, checked, params, arrival))
-            while True:
-                item = await box.get()
+            async for item in box.until_finished():
                 finished = item.finished
                 yield item
-                if finished:
-                    return
         finally:
             self._streams.pop(request_id, None)
             self._inflight_seqs -= n
@@ -257,11 +262,7 @@ class AsyncLLM:
         """While idle, check the KV accounting (free + cached + used == total, ref counts): a leak or a
         double-held block is reported at once, not discovered under load."""
         self._last_check = time.monotonic()
-        try:
-            self.engine.check_invariants()
-        except AssertionError as e:
-            log.error("KV-cache accounting is inconsistent: %s", e)
-            self.integrity_errors += 1
+        self.integrity_errors += not self.engine.kv_accounting_ok()
 
     def _handle(self, cmd) -> None:
         kind = cmd[0]

@@ -299,3 +299,13 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.blocks.check(self.scheduler.live)
+
+    def kv_accounting_ok(self) -> bool:
+        """check_invariants, logged rather than raised: the idle checks of AsyncLLM and of a replica count each
+        failure (their integrity_errors) and go on serving."""
+        try:
+            self.check_invariants()
+        except AssertionError as e:
+            log.error("KV-cache accounting is inconsistent: %s", e)
+            return False
+        return True

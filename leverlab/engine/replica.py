@@ -19,12 +19,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from leverlab.config import EngineConfig
+from leverlab.engine.parent_watch import exit_with_parent
 from leverlab.errors import EngineDeadError, RequestError, UnsupportedLever
 
 log = logging.getLogger("leverlab")
@@ -40,19 +40,10 @@ class ReplicaArgs:
     parent_pid: int
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    def watch():
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(3)
-
-    threading.Thread(target=watch, name="leverlab-replica-parent-watch", daemon=True).start()
-
-
 def replica_main(args: ReplicaArgs) -> None:
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s replica{args.index} %(levelname)s %(name)s: %(message)s")
-    _exit_with_parent(args.parent_pid)
+    exit_with_parent(args.parent_pid, "leverlab-replica-parent-watch")
     # Ctrl-C reaches the whole process group: the server drains and then stops the replicas itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = args.conn
@@ -146,8 +137,4 @@ class Loop:
     def check(self) -> None:
         """While idle, check the KV accounting, as AsyncLLM does."""
         self.last_check = time.monotonic()
-        try:
-            self.engine.check_invariants()
-        except AssertionError as e:
-            log.error("KV-cache accounting is inconsistent: %s", e)
-            self.integrity_errors += 1
+        self.integrity_errors += not self.engine.kv_accounting_ok()

@@ -213,12 +213,9 @@ class ReplicaSet:
         r = self.replicas[i]
         finished = False
         try:
-            while True:
-                item = await box.get()
+            async for item in box.until_finished():
                 finished = item.finished
                 yield item
-                if finished:
-                    return
         finally:
             self._release(r, request_id)
             if not finished:  # the consumer left (disconnect, cancellation): free its KV blocks
