@@ -32,6 +32,19 @@ def _unavailable(c: dict[str, Any]) -> str:
     return f"{c['name']} {c['status']}" + (f": {c['reason']}" if c.get("reason") else "")
 
 
+def _ran_step(a: dict[str, Any], lever: str, wanted, absent: str) -> tuple[dict[str, Any], dict[str, Any]] | str:
+    """The plan's first step that changes `lever` to a value `wanted(levers)` accepts, and its parent, when both
+    ran; else why not (`absent` when the plan has no such step), for a NOT TESTED finding."""
+    steps = [c for c in a["configs"] if c["lever"] == lever and wanted(c["levers"])]
+    if not steps:
+        return absent
+    c = steps[0]
+    p = _by_name(a)[c["parent"]]
+    if c["status"] != "done" or p["status"] != "done":
+        return _unavailable(c if c["status"] != "done" else p)
+    return c, p
+
+
 def check_output_length(a: dict[str, Any]) -> dict[str, str]:
     title = "Output length, not input length, drives latency (decode is memory-bound)"
     base = a["configs"][0]
@@ -430,14 +443,11 @@ def check_batching(a: dict[str, Any]) -> dict[str, str]:
     """Static batches against continuous batching, at the sweep's top concurrency: continuous should serve
     more requests/s and answer sooner, since a static batch holds every slot until its longest member ends."""
     title = "Continuous batching beats static batches under load"
-    byn = _by_name(a)
-    steps = [c for c in a["configs"] if c["lever"] == "batching" and c["levers"].batching == "static"]
-    if not steps:
-        return _f("B", title, NOT_TESTED, "", "no static-batching step in this plan (`--full` has one)")
-    c = steps[0]
-    p = byn[c["parent"]]
-    if c["status"] != "done" or p["status"] != "done":
-        return _f("B", title, NOT_TESTED, "", _unavailable(c if c["status"] != "done" else p))
+    ran = _ran_step(a, "batching", lambda lv: lv.batching == "static",
+                    "no static-batching step in this plan (`--full` has one)")
+    if isinstance(ran, str):
+        return _f("B", title, NOT_TESTED, "", ran)
+    c, p = ran
     cmax = _m(c).get("c_max")
     rs, rc = _m(c).get("rps_cmax"), _m(p).get("rps_cmax")
     ls = ((_m(c).get("sweep") or {}).get(cmax) or {}).get("e2e_p50_s")
@@ -462,14 +472,10 @@ def check_model(a: dict[str, Any]) -> dict[str, str]:
     """Right-sizing (the reference's first lever): the smaller model of the family serves faster, by about
     its byte ratio, and says other things; the fidelity columns say how much."""
     title = "Right-sizing: a smaller model of the family is faster, at a cost in fidelity"
-    byn = _by_name(a)
-    steps = [c for c in a["configs"] if c["lever"] == "model" and c["levers"].model]
-    if not steps:
-        return _f("R", title, NOT_TESTED, "", "no model step in this plan (`--full` has one)")
-    c = steps[0]
-    p = byn[c["parent"]]
-    if c["status"] != "done" or p["status"] != "done":
-        return _f("R", title, NOT_TESTED, "", _unavailable(c if c["status"] != "done" else p))
+    ran = _ran_step(a, "model", lambda lv: bool(lv.model), "no model step in this plan (`--full` has one)")
+    if isinstance(ran, str):
+        return _f("R", title, NOT_TESTED, "", ran)
+    c, p = ran
     d, dp = _m(c).get("decode_tok_s"), _m(p).get("decode_tok_s")
     if not (d and dp):
         return _f("R", title, NOT_TESTED, "", "no decode rate measured")
