@@ -120,12 +120,13 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def start_server(tmp_path_factory, checkpoint):
-    """Factory: start_server(*flags, env=None) -> ServerProcess; all stopped at the end of the session."""
+    """Factory: start_server(*flags, env=None, ckpt=None) -> ServerProcess serving `ckpt` (the session's tiny
+    checkpoint by default); all stopped at the end of the session."""
     started: list[ServerProcess] = []
 
-    def start(*flags: str, env: dict | None = None) -> ServerProcess:
+    def start(*flags: str, env: dict | None = None, ckpt: Path | None = None) -> ServerProcess:
         log_path = tmp_path_factory.mktemp("server") / "server.log"
-        s = ServerProcess(checkpoint, *flags, log_path=log_path, env=env)
+        s = ServerProcess(ckpt or checkpoint, *flags, log_path=log_path, env=env)
         started.append(s)
         return s
 

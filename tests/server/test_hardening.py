@@ -16,6 +16,8 @@ import httpx
 import openai
 import pytest
 
+from tests.checkpoints import make_checkpoint
+
 MODEL = "tiny-qwen3"
 
 
@@ -137,11 +139,15 @@ def _health_under_load(url: str, big_ids: bytes, big_text: bytes, logprobs_body:
 
 
 @pytest.mark.slow
-def test_a_client_that_stops_reading_is_aborted_with_bounded_memory(start_server):
-    """Checked to fail with a queue of every step's output in place of the one-slot mailbox: +80 MB against
-    +17 MB with it (the stall timeout leaves the engine ~6 s to run ahead of the reader)."""
-    srv = start_server("--stream-stall-timeout", "6")
-    body = json.dumps({"prompt": "def f(x):", "max_tokens": 490, "n": 64, "logprobs": 5, "ignore_eos": True,
+def test_a_client_that_stops_reading_is_aborted_with_bounded_memory(start_server, tmp_path):
+    """Checked to fail with a queue of every step's output in place of the one-slot mailbox: +189 MB against
+    +27 MB with it (the stall timeout leaves the engine ~6 s to run ahead of the reader).
+    The request must outlast the stall timeout by a wide margin, or the engine finishes it before the stall is
+    seen and there is nothing to abort: 2000 steps of 64 sequences take ~25 s here (490 steps took ~5.6 s and
+    did finish first), so the checkpoint gets a 2048-token context."""
+    ckpt = make_checkpoint(tmp_path / "long-context", arch="qwen3", max_position_embeddings=2048)
+    srv = start_server("--stream-stall-timeout", "6", ckpt=ckpt)
+    body = json.dumps({"prompt": "def f(x):", "max_tokens": 2000, "n": 64, "logprobs": 5, "ignore_eos": True,
                        "stream": True, "temperature": 1.0}).encode()
     # warm up the allocator with one short request of the same shape, then measure from there
     httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 8, "n": 64, "logprobs": 5})
@@ -165,7 +171,7 @@ def test_a_client_that_stops_reading_is_aborted_with_bounded_memory(start_server
     assert aborted, "the stalled stream was never aborted"
     m = srv.wait_idle()
     assert m["leverlab_kv_blocks_used"] == 0 and m["leverlab_num_requests_running"] == 0
-    assert m["leverlab_engine_requests_aborted_total"] >= 1
+    assert m["leverlab_engine_requests_aborted_total"] >= 1, "the engine finished the request before the stall"
     print(f"slow reader: RSS {base:.0f} MB -> peak {peak:.0f} MB")
     assert peak - base < 64, f"RSS grew {peak - base:.0f} MB while the client read nothing"
     # and the server still serves
