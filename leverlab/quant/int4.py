@@ -6,11 +6,13 @@ Whatever the source, the loaded layer ends up in the same dense staging form - q
 s [out, in/g] float32, z [out, in/g] uint8 (integer zero points, as AWQ and GPTQ store them) -
 (held under the checkpoint's names qweight / scales / qzeros while loading), which
 process_weights_after_loading repacks for the kernel:
-  CPU:  aten._weight_int4pack_mm_for_cpu (eager), which Inductor lowers to its WoQ-int4 CPP GEMM template
-        under max-autotune with frozen weights; scales_and_zeros [in/g, out, 2] in the activation dtype.
+  CPU:  our streaming kernel (layers/csrc/quant_linear.cpp, pack_int4_streaming: 4-bit q, fp16 s and z) up to
+        16 rows (integer dot products for bf16/fp16 activations); else aten._weight_int4pack_mm_for_cpu (eager), which Inductor
+        lowers to its WoQ-int4 CPP GEMM template under max-autotune with frozen weights; scales_and_zeros
+        [in/g, out, 2] in the activation dtype. Every path takes the scales as rounded to fp16.
   CUDA: aten._weight_int4pack_mm (tinygemm, bf16 activations). Written to its documented layout but not
         run here: no GPU on the development machines.
-Both kernels compute (q - 8) * scale + zero per element, so our integer zero point z becomes the float
+aten's two kernels compute (q - 8) * scale + zero per element, so our integer zero point z becomes the float
 zero (8 - z) * s: exact in fp32, one rounding in bf16.
 """
 
@@ -39,12 +41,25 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
 
 def pack_int4_streaming(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                         group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The streaming kernel's layout: (packed [out, in/2] uint8, [2, out, in/g] float32 of s and s * z).
-    Per 32-weight block, byte i holds weight i (low nibble) and weight 16 + i (high nibble)."""
+    """The streaming kernel's layout: (packed [out, in/2] uint8, [out, 2, in/g] fp16: each row's s, then its z).
+    Per 32-weight block, byte i holds weight i (low nibble) and weight 16 + i (high nibble). fp16 keeps the step
+    at 4 + 32/g bits per weight (4.5 at g = 64, as Q4_0). The zero points are exact in fp16 and so are the
+    scales of AWQ / GPTQ checkpoints (stored in fp16): those load bit for bit; RTN's float32 scales round once,
+    by at most 2^-11 of themselves."""
     out, k = q.shape
     blocks = q.to(torch.uint8).reshape(out, k // 32, 2, 16)
     packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out, k // 2).contiguous()
-    return packed, torch.stack([scales, scales * zeros.float()]).contiguous()
+    s16 = scales.float().clamp(max=torch.finfo(torch.float16).max).to(torch.float16)
+    return packed, torch.stack([s16, zeros.to(torch.float16)], dim=1).contiguous()
+
+
+def dequantize_streaming(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 [out, in] weight that pack_int4_streaming's (packed, scales) encode: (q - z) * s."""
+    out, ng = scales.shape[0], scales.shape[2]
+    p = packed.view(out, -1, 16)
+    q = torch.cat([p & 15, p >> 4], dim=2).view(out, ng, -1).float()
+    s = scales.float()
+    return ((q - s[:, 1, :, None]) * s[:, 0, :, None]).view(out, -1)
 
 
 def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -69,7 +84,7 @@ class Int4Method(QuantMethod):
         if group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
         self.group_size = group_size
-        # 4 bits + a 16-bit scale and a 16-bit zero per group, as the kernel stores them
+        # 4 bits + a 16-bit scale and a 16-bit scaled zero per group, as the streaming kernel stores them
         self.bits_per_weight = 4 + 32 / group_size
 
     @classmethod
@@ -136,17 +151,20 @@ class Int4Method(QuantMethod):
             for name in ("scales", "qzeros"):
                 delattr(layer, name)
         dtype = layer.params_dtype
-        # Our streaming kernel (csrc/quant_linear.cpp) for up to 8 rows on the CPU, in its own layout: aten's
-        # int4 kernel is compute-bound at a row (about half the rate our bf16 kernel reads at).
+        # Our streaming kernel (csrc/quant_linear.cpp) for up to 16 rows on the CPU, in its own layout: aten's
+        # int4 kernel is compute-bound at a row (about half the rate our bf16 kernel reads at). Its scales are fp16,
+        # and every other path below takes the same rounded values, so that a prompt (many rows) and its decode
+        # (one) see one weight.
+        packed, ss = pack_int4_streaming(q, s, z, self.group_size)
         layer.q4 = None
         if streaming_kernels(q.device) is not None and getattr(layer, "q_perm", None) is None:
-            layer.q4 = pack_int4_streaming(q, s.float(), z, self.group_size)
+            layer.q4 = (packed, ss)
         layer.int8_key = None
         from leverlab.quant.int8 import quantize_int8, use_int8_gemm
 
         if self.w8a8_min_rows is not None and use_int8_gemm(layer, dtype, q.device):
             # the batched path's copy (see the class docstring)
-            layer.int8_key = int8_gemm.pack(layer, *quantize_int8(dequantize_int4(q, s, z, self.group_size)))
+            layer.int8_key = int8_gemm.pack(layer, *quantize_int8(dequantize_streaming(packed, ss)))
         if layer.q4 is not None and layer.int8_key is not None and self.w8a8_min_rows <= STREAMING_MAX_ROWS + 1:
             # Every row count has its kernel (streaming up to STREAMING_MAX_ROWS, then the int8 GEMM), so aten's
             # int4 layout would never be read: not building it saves 0.56 bytes per weight (int4 held ~2.1 bytes
@@ -154,7 +172,8 @@ class Int4Method(QuantMethod):
             set_param(layer, "qweight", None)
             layer.scales_and_zeros = None
             return
-        sz = torch.stack([s, (8.0 - z.float()) * s], dim=-1).transpose(0, 1).contiguous().to(dtype)
+        s16, z16 = ss[:, 0].float(), ss[:, 1].float()  # aten's weight: (q - 8) * s + (8 - z) * s
+        sz = torch.stack([s16, (8.0 - z16) * s16], dim=-1).transpose(0, 1).contiguous().to(dtype)
         if q.device.type == "cuda":
             k = layer.in_features
             tiles = 8 if k % 256 == 0 else 4 if k % 128 == 0 else 2
@@ -169,7 +188,7 @@ class Int4Method(QuantMethod):
         x2 = flatten(x)
         q4 = getattr(layer, "q4", None)
         if q4 is not None and batched_path and x2.shape[0] <= getattr(layer, "stream_rows", STREAMING_MAX_ROWS):
-            y = streaming_kernels(x.device).int4_linear(x2, q4[0], q4[1][0], q4[1][1], self.group_size, layer.bias)
+            y = streaming_kernels(x.device).int4_linear(x2, q4[0], q4[1], self.group_size, layer.bias)
             return y.view(*x.shape[:-1], layer.out_features)
         perm = getattr(layer, "q_perm", None)
         if perm is not None:  # GPTQ act-order: the weights' input channels are permuted (int8 copy included)
@@ -178,7 +197,7 @@ class Int4Method(QuantMethod):
         if batched_path and getattr(layer, "int8_key", None) is not None and x2.shape[0] >= self.w8a8_min_rows:
             y = int8_gemm.int8_linear(x2, layer.int8_key, layer.out_features)
         elif sz is None:  # only the streaming layout was kept (no permutation then)
-            y = streaming_kernels(x.device).int4_linear(x2, q4[0], q4[1][0], q4[1][1], self.group_size, None)
+            y = streaming_kernels(x.device).int4_linear(x2, q4[0], q4[1], self.group_size, None)
         else:
             if x2.dtype != sz.dtype:
                 x2 = x2.to(sz.dtype)
@@ -198,19 +217,16 @@ class Int4Method(QuantMethod):
     def bytes_read(self, layer, rows: int) -> int:
         bias = layer.bias.numel() * layer.bias.element_size() if layer.bias is not None else 0
         if getattr(layer, "q4", None) is not None and rows <= getattr(layer, "stream_rows", STREAMING_MAX_ROWS):
-            return layer.q4[0].numel() + layer.q4[1].numel() * 4 + bias
+            return layer.q4[0].numel() + layer.q4[1].numel() * 2 + bias
         if getattr(layer, "int8_key", None) is not None and rows >= self.w8a8_min_rows:
             return layer.out_features * (layer.in_features + 4) + bias  # the packed int8 copy + fp32 scales
         if getattr(layer, "scales_and_zeros", None) is None:
-            return layer.q4[0].numel() + layer.q4[1].numel() * 4 + bias
+            return layer.q4[0].numel() + layer.q4[1].numel() * 2 + bias
         return sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scales_and_zeros)) + bias
 
     def dequantize(self, layer) -> torch.Tensor:
         if getattr(layer, "scales_and_zeros", None) is None:  # only the streaming layout: w = q * s - s * z
-            packed, (sc, sz) = layer.q4
-            p = packed.view(layer.out_features, -1, 16)
-            q = torch.cat([p & 15, p >> 4], dim=2).view(layer.out_features, -1, self.group_size).float()
-            return (q * sc[..., None] - sz[..., None]).view(layer.out_features, layer.in_features)
+            return dequantize_streaming(*layer.q4)
         # Multiply the identity through the kernel: exactly the weight the kernel uses, [in, out] -> [out, in].
         eye = torch.eye(layer.in_features, dtype=layer.scales_and_zeros.dtype, device=layer.qweight.device)
         # With a GPTQ act-order permutation, apply() permutes the identity's columns, which puts the rows

@@ -13,8 +13,8 @@ int64_t skinny_max_rows();
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias, bool quantize_x);
 int64_t quant_max_rows();
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                       const at::Tensor& szeros, int64_t group, const c10::optional<at::Tensor>& bias);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
+                       const c10::optional<at::Tensor>& bias);
 void bind_fused_decoder(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -34,7 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("bias"), pybind11::arg("quantize_x") = false,
         "y = (x W^T) * s (+ b) for int8 W [N, K], float32 s [N]; streaming for 1..quant_max_rows() rows; "
         "quantize_x: bf16/fp16 x quantized per 32-block for integer dot products");
-  m.def("int4_linear", &int4_linear, "y = x W^T (+ b) for int4 W (packed [N, K/2], scales and s*z [N, K/g]); streaming for 1..quant_max_rows() rows");
+  m.def("int4_linear", &int4_linear, "y = x W^T (+ b) for int4 W (packed [N, K/2], fp16 scales and zero points [N, 2, K/g]); streaming for 1..quant_max_rows() rows");
   m.def("quant_max_rows", &quant_max_rows, "the most activation rows the streaming int8/int4 kernels take");
   bind_fused_decoder(m);
 }

@@ -32,8 +32,8 @@ namespace {
 
 // A linear layer as the fused path sees it (the kernels are in quant_linear.cpp). kind 0: float weight [N, K];
 // 1: int8 weight [N, K] with a float32 scale per output row, weight-only (3: the same with bf16/fp16 activations
-// quantized per 32-block for integer dot products); 2: int4 packed [N, K/2] with float32 scales and scaled
-// zeros [N, K/g] (both in `scale`, stacked [2, N, K/g]). Kinds >= 2 also carry the group size.
+// quantized per 32-block for integer dot products); 2: int4 packed [N, K/2] with fp16 scales and zero points
+// (`scale`, [N, 2, K/g]).
 struct Lin {
   int64_t kind = 0;
   at::Tensor w, scale, bias;  // bias may be undefined
@@ -49,8 +49,8 @@ struct Layer {
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias, bool quantize_x);
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                       const at::Tensor& szeros, int64_t group, const c10::optional<at::Tensor>& bias);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
+                       const c10::optional<at::Tensor>& bias);
 
 namespace {
 
@@ -59,7 +59,7 @@ at::Tensor apply(const Lin& l, const at::Tensor& x) {
   if (l.kind == 1 || l.kind == 3) return int8_linear(x, l.w, l.scale, b, l.kind == 3);
   if (l.kind == 2) {  // the group size: K / (number of groups)
     const int64_t groups = l.scale.size(2);
-    return int4_linear(x, l.w, l.scale[0], l.scale[1], x.size(1) / groups, b);
+    return int4_linear(x, l.w, l.scale, x.size(1) / groups, b);
   }
   return linear_bf16(x, l.w, b);  // our streaming kernel for bf16 rows it takes, else the best GEMM here
 }

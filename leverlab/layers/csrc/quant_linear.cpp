@@ -14,7 +14,9 @@
 // channels (q, z in 0..15), packed by quant/int4.py: pack_int4_streaming: per 32-weight block of a row, 16 bytes;
 // byte i holds weight i in its low nibble and weight 16 + i in its high one, so both nibble planes widen in
 // order with no shuffles. A group's dot product is s * sum(q x) - s z * sum(x): the zero point costs one term per
-// group, from the block sums of the (quantized) activations.
+// group, from the block sums of the (quantized) activations. s and z are stored in fp16, a row's 2G of them
+// together ([N, 2, G]): at g = 64 that is 4.5 bits per weight, Q4_0's size (float32 s and s z had made it 5,
+// 11% more to read per step). A row's are widened to float s and s z once, before its blocks are read.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -26,7 +28,7 @@
 #include "kernel_util.h"
 #include "stream_hint.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define LEVERLAB_QUANT_AVX2 1
 #endif
@@ -54,11 +56,15 @@ inline int32_t hsum8_epi32(__m256i v) {
 
 // ---- activations quantized per 32-element block (K % 32 == 0) ----------------------------------------------
 // Row m of x -> q [m * K ..] int8, scale [m * B ..] (B = K / 32 blocks) and the block's integer sum [m * B ..].
+// int4 also reads them in its pair order (pair_rows): row m's pair p (blocks 2p, 2p + 1) as 64 bytes at
+// qp[m * K + 64 p] and its two block scales as one vector at sp[(m * (B / 2) + p) * 8].
 struct QuantizedRows {
   const int8_t* q;
   const float* scale;
   const int32_t* sum;
   int64_t K, B;
+  const int8_t* qp = nullptr;
+  const float* sp = nullptr;
 };
 
 template <typename T>
@@ -124,9 +130,10 @@ inline __m256i load_u4_block(const uint8_t* p) {  // 16 bytes -> 32 nibbles in o
 // Two blocks at once (b even, b + 1): their 32 packed bytes in one load. Byte i of a block holds its weights i
 // (low nibble) and 16 + i (high), so one mask gives weights 0..15 of b then of b + 1 and a shift and a mask give
 // weights 16..31 of each: 1.5 ops per block where a lone block takes 3 and a 128-bit load. The activations
-// are put in the same order by two lane permutes of their natural layout (shared by every weight row that
-// meets them), and the two halves' products add in int16 before one vpmaddwd (|pair sum| <= 2 * 15 * 127, two
-// of them <= 7620: no saturation). Lanes 0..3 of the result sum block b's products, lanes 4..7 block b + 1's.
+// are put in the same order by two lane permutes of their natural layout, once per call (pair_rows: every weight
+// row meets them; done per weight row, the permutes and the pair's scale vector had been 5 of a pair's ~19 ops),
+// and the two halves' products add in int16 before one vpmaddwd (|pair sum| <= 2 * 15 * 127, two of them
+// <= 7620: no saturation). Lanes 0..3 of the result sum block b's products, lanes 4..7 block b + 1's.
 inline void load_u4_pair(const uint8_t* p, __m256i& lo, __m256i& hi) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   const __m256i m = _mm256_set1_epi8(0x0F);
@@ -148,6 +155,53 @@ inline __m256i dot_u4_pair(__m256i wlo, __m256i whi, __m256i xlo, __m256i xhi) {
 
 inline __m256 pair_scale(float s0, float s1) {  // s0 in lanes 0..3 (block b), s1 in lanes 4..7 (block b + 1)
   return _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
+}
+
+// x's pair order (QuantizedRows::qp, sp) for its M rows; an odd last block is copied as it is.
+void pair_rows(QuantizedRows& x, int64_t M) {
+  static thread_local std::vector<int8_t> qbuf;
+  static thread_local std::vector<float> sbuf;
+  const int64_t K = x.K, B = x.B, P = B / 2;
+  int8_t* qp = scratch(qbuf, M * K);
+  float* sp = scratch(sbuf, std::max<int64_t>(1, M * P * 8));
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* q = x.q + m * K;
+    const float* sc = x.scale + m * B;
+    int8_t* o = qp + m * K;
+    for (int64_t p = 0; p < P; ++p) {
+      __m256i lo, hi;
+      load_x_pair(q + p * 64, lo, hi);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + p * 64), lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + p * 64 + 32), hi);
+      _mm256_storeu_ps(sp + (m * P + p) * 8, pair_scale(sc[2 * p], sc[2 * p + 1]));
+    }
+    if (B % 2) std::memcpy(o + (B - 1) * 32, q + (B - 1) * 32, 32);
+  }
+  x.qp = qp;
+  x.sp = sp;
+}
+
+// `rows` consecutive weight rows' fp16 group scales and zero points (2G each, as [N, 2, G] holds them) -> float
+// scales and scaled zeros s * z (exact: an fp16 s times an integer z < 16), once per row.
+inline void widen_scales(const at::Half* src, int64_t rows, int64_t G, float* dst) {
+  const int64_t n = rows * 2 * G;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j))));
+  for (; j < n; ++j) dst[j] = _cvtsh_ss(src[j].x);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = dst + r * 2 * G;
+    for (int64_t i = 0; i < G; ++i) sr[G + i] *= sr[i];
+  }
+}
+
+inline float dot_f32(const float* a, const float* b, int64_t n) {  // the zero points' term of a row
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
+  float t = hsum8(acc);
+  for (; j < n; ++j) t += a[j] * b[j];
+  return t;
 }
 
 // A weight row's group scales over the pair (b, b + 1): one broadcast when groups span two blocks or more.
@@ -182,20 +236,22 @@ inline float i8_row(const int8_t* wr, const QuantizedRows& x) {
   return hsum8(_mm256_add_ps(acc[0], acc[1]));
 }
 
-// int4: ws(b) = s_row[b >> gshift] (2^gshift blocks per group). Blocks go in pairs (load_u4_pair).
+// int4: ws(b) = s_row[b >> gshift] (2^gshift blocks per group), s_row widened to float. Blocks go in pairs
+// (load_u4_pair), x in its pair order (pair_rows).
 inline float u4_row(const uint8_t* wr, const float* s_row, int gshift, const QuantizedRows& x) {
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   int64_t b = 0;
   for (int u = 0; b + 2 <= x.B; b += 2, u ^= 1) {
     if ((b & 3) == 0) prefetch_stream(wr + b * 16 + kStreamAhead);  // one 64-byte line per 4 blocks
-    __m256i wlo, whi, xlo, xhi;
+    __m256i wlo, whi;
     load_u4_pair(wr + b * 16, wlo, whi);
-    load_x_pair(x.q + b * 32, xlo, xhi);
-    const __m256 sc = _mm256_mul_ps(pair_scale(x.scale[b], x.scale[b + 1]), pair_weight_scale(s_row, b, gshift));
+    const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qp + b * 32));
+    const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qp + b * 32 + 32));
+    const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(x.sp + b * 4), pair_weight_scale(s_row, b, gshift));
     acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4_pair(wlo, whi, xlo, xhi)), sc, acc[u]);
   }
   if (b < x.B) {  // an odd last block
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * 32));
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qp + b * 32));
     acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_block_u4(load_u4_block(wr + b * 16), xv)),
                              _mm256_set1_ps(s_row[b >> gshift] * x.scale[b]), acc[0]);
   }
@@ -234,29 +290,30 @@ inline void i8_dots_4rows(const int8_t* w, int64_t K, const QuantizedRows& x, fl
   _mm_storeu_ps(out, hsums(acc, 4));
 }
 
-inline void u4_dots_4rows(const uint8_t* w, int64_t K, const float* s, int64_t G, int gshift, const QuantizedRows& x,
+// s: the four rows' widened scales, `ss` floats apart.
+inline void u4_dots_4rows(const uint8_t* w, int64_t K, const float* s, int64_t ss, int gshift, const QuantizedRows& x,
                           float* out) {
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   int64_t b = 0;
-  for (; b + 2 <= x.B; b += 2) {  // blocks in pairs (load_u4_pair)
-    __m256i xlo, xhi;
-    load_x_pair(x.q + b * 32, xlo, xhi);
-    const __m256 xs = pair_scale(x.scale[b], x.scale[b + 1]);
+  for (; b + 2 <= x.B; b += 2) {  // blocks in pairs (load_u4_pair), x in pair order
+    const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qp + b * 32));
+    const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qp + b * 32 + 32));
+    const __m256 xs = _mm256_loadu_ps(x.sp + b * 4);
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       if ((b & 3) == 0) prefetch_stream(w + i * (K / 2) + b * 16 + kStreamAhead);
       __m256i wlo, whi;
       load_u4_pair(w + i * (K / 2) + b * 16, wlo, whi);
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4_pair(wlo, whi, xlo, xhi)),
-                               _mm256_mul_ps(xs, pair_weight_scale(s + i * G, b, gshift)), acc[i]);
+                               _mm256_mul_ps(xs, pair_weight_scale(s + i * ss, b, gshift)), acc[i]);
     }
   }
   if (b < x.B) {  // an odd last block
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * 32));
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qp + b * 32));
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i)
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_block_u4(load_u4_block(w + i * (K / 2) + b * 16), xv)),
-                               _mm256_set1_ps(s[i * G + (b >> gshift)] * x.scale[b]), acc[i]);
+                               _mm256_set1_ps(s[i * ss + (b >> gshift)] * x.scale[b]), acc[i]);
   }
   _mm_storeu_ps(out, hsums(acc, 4));
 }
@@ -311,8 +368,13 @@ template <int MG>
 struct TileRows {
   const int8_t* q[MG];
   const float* scale[MG];
+  const int8_t* qp[MG];  // int4's pair order, when x has it
+  const float* sp[MG];
   TileRows(const QuantizedRows& x, int64_t r0) {
-    for (int m = 0; m < MG; ++m) q[m] = x.q + (r0 + m) * x.K, scale[m] = x.scale + (r0 + m) * x.B;
+    for (int m = 0; m < MG; ++m) {
+      q[m] = x.q + (r0 + m) * x.K, scale[m] = x.scale + (r0 + m) * x.B;
+      qp[m] = x.qp ? x.qp + (r0 + m) * x.K : nullptr, sp[m] = x.sp ? x.sp + (r0 + m) * (x.B / 2) * 8 : nullptr;
+    }
   }
 };
 
@@ -352,12 +414,12 @@ inline void i8_tile(const int8_t* w, int64_t K, const QuantizedRows& x, int64_t 
 // the zero point (the caller subtracts it): block b's scale is x's block scale times the row's group scale, the
 // two multiplied per pair of blocks (load_u4_pair) so that each (weight row, activation row) keeps one accumulator.
 template <int NW, int MG>
-inline void u4_tile(const uint8_t* w, int64_t K, const float* s, int64_t G, int gshift, const QuantizedRows& x,
+inline void u4_tile(const uint8_t* w, int64_t K, const float* s, int64_t ss, int gshift, const QuantizedRows& x,
                     int64_t r0, __m128* out) {
   __m256 acc[NW][MG];
   zero_tile(acc);
   const TileRows<MG> rows(x, r0);
-  const auto& xq = rows.q;
+  const auto& xq = rows.qp;  // pair order
   const auto& xsc = rows.scale;
   int64_t b = 0;
   for (; b + 2 <= x.B; b += 2) {
@@ -367,15 +429,18 @@ inline void u4_tile(const uint8_t* w, int64_t K, const float* s, int64_t G, int 
       if ((b & 3) == 0) prefetch_stream(w + i * (K / 2) + b * 16 + kStreamAhead);  // one line per 4 blocks
       load_u4_pair(w + i * (K / 2) + b * 16, wlo[i], whi[i]);
     }
+    __m256 ws[NW];
+#pragma GCC unroll 4
+    for (int i = 0; i < NW; ++i) ws[i] = pair_weight_scale(s + i * ss, b, gshift);
 #pragma GCC unroll 4
     for (int m = 0; m < MG; ++m) {
-      __m256i xlo, xhi;
-      load_x_pair(xq[m] + b * 32, xlo, xhi);
-      const __m256 xs = pair_scale(xsc[m][b], xsc[m][b + 1]);
+      const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + b * 32));
+      const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + b * 32 + 32));
+      const __m256 xs = _mm256_loadu_ps(rows.sp[m] + b * 4);
 #pragma GCC unroll 4
       for (int i = 0; i < NW; ++i)
         acc[i][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4_pair(wlo[i], whi[i], xlo, xhi)),
-                                    _mm256_mul_ps(xs, pair_weight_scale(s + i * G, b, gshift)), acc[i][m]);
+                                    _mm256_mul_ps(xs, ws[i]), acc[i][m]);
     }
   }
   if (b < x.B) {  // an odd last block
@@ -385,7 +450,7 @@ inline void u4_tile(const uint8_t* w, int64_t K, const float* s, int64_t G, int 
       for (int m = 0; m < MG; ++m) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + b * 32));
         acc[i][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_block_u4(wv, xv)),
-                                    _mm256_set1_ps(s[i * G + (b >> gshift)] * xsc[m][b]), acc[i][m]);
+                                    _mm256_set1_ps(s[i * ss + (b >> gshift)] * xsc[m][b]), acc[i][m]);
       }
     }
   }
@@ -549,9 +614,10 @@ inline float q_dot_f32(const uint8_t* b, const float* x, int64_t n) {  // n weig
   return s;
 }
 
+// ss: [N, 2, G] fp16, row n's group scales then its zero points.
 template <typename T>
-void int4_rows_f32(const at::Tensor& x, const uint8_t* w, const float* s, const float* sz, int64_t g, const float* bias,
-                   T* y, int64_t N, int64_t K) {
+void int4_rows_f32(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int64_t g, const float* bias, T* y,
+                   int64_t N, int64_t K) {
   static thread_local std::vector<float> xbuf, sbuf;
   const int64_t M = x.size(0), G = K / g;
   float* xs = scratch(xbuf, M * K);
@@ -567,10 +633,12 @@ void int4_rows_f32(const at::Tensor& x, const uint8_t* w, const float* s, const 
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wr = w + n * (K / 2);
+      const at::Half* sr = ss + n * 2 * G;
       for (int64_t m = 0; m < M; ++m) {
         float acc = 0.f;
         for (int64_t j = 0; j < G; ++j)
-          acc += s[n * G + j] * q_dot_f32(wr + j * g / 2, xs + m * K + j * g, g) - sz[n * G + j] * xsum[m * G + j];
+          acc += static_cast<float>(sr[j]) * (q_dot_f32(wr + j * g / 2, xs + m * K + j * g, g) -
+                                              static_cast<float>(sr[G + j]) * xsum[m * G + j]);
         y[m * N + n] = static_cast<T>(acc + (bias ? bias[n] : 0.f));
       }
     }
@@ -581,52 +649,59 @@ void int4_rows_f32(const at::Tensor& x, const uint8_t* w, const float* s, const 
 // The zero point's term s z sum(x) uses the quantized x's block sums, so the result is exactly that of the
 // dequantized weight times the quantized activations.
 template <typename T>
-void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const float* s, const float* sz, int64_t g,
-                  const float* bias, T* y, int64_t N, int64_t K) {
+void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int64_t g, const float* bias, T* y,
+                  int64_t N, int64_t K) {
   static thread_local std::vector<float> gbuf;
-  const QuantizedRows xq = quantize_q8<T>(x);
+  QuantizedRows xq = quantize_q8<T>(x);
   const int64_t M = x.size(0), G = K / g, bpg = g / 32;
+  pair_rows(xq, M);
   const int gshift = __builtin_ctzll(bpg);  // the caller checked that bpg is a power of two
-  // Per group, the sum of the quantized x, transposed [G][M4] (M rounded up to 4, zero past M) so that a tile's 4
-  // rows are one vector.
+  // Per group, the sum of the quantized x: [M][G] (gsum), and transposed [G][M4] (M rounded up to 4, zero past
+  // M) so that a tile's 4 rows are one vector (gsum_t).
   const int64_t M4 = (M + 3) / 4 * 4;
-  float* gsum_t = scratch(gbuf, G * M4);
+  float* gsum = scratch(gbuf, M * G + G * M4);
+  float* gsum_t = gsum + M * G;
   std::fill(gsum_t, gsum_t + G * M4, 0.f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < G; ++j) {
       float acc = 0.f;
       for (int64_t b = j * bpg; b < (j + 1) * bpg; ++b) acc += xq.scale[m * xq.B + b] * static_cast<float>(xq.sum[m * xq.B + b]);
-      gsum_t[j * M4 + m] = acc;
+      gsum[m * G + j] = gsum_t[j * M4 + m] = acc;
     }
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    static thread_local std::vector<float> fbuf;
+    float* sf = scratch(fbuf, 4 * 2 * G);  // up to 4 weight rows' scales and scaled zeros, widened
     if (M == 1) {
-      auto emit = [&](int64_t n, float v) {
-        float zterm = 0.f;
-        for (int64_t j = 0; j < G; ++j) zterm += sz[n * G + j] * gsum_t[j * M4];
-        y[n] = static_cast<T>(v - zterm + (bias ? bias[n] : 0.f));
+      auto emit = [&](int64_t n, float v, const float* sfr) {
+        y[n] = static_cast<T>(v - dot_f32(sfr + G, gsum, G) + (bias ? bias[n] : 0.f));
       };
       int64_t n = n0;
       if (K <= kFourRowsMaxK) {  // short rows: four weight rows at a time
         float out[4];
         for (; n + 4 <= n1; n += 4) {
-          u4_dots_4rows(w + n * (K / 2), K, s + n * G, G, gshift, xq, out);
-          for (int i = 0; i < 4; ++i) emit(n + i, out[i]);
+          widen_scales(ss + n * 2 * G, 4, G, sf);
+          u4_dots_4rows(w + n * (K / 2), K, sf, 2 * G, gshift, xq, out);
+          for (int i = 0; i < 4; ++i) emit(n + i, out[i], sf + i * 2 * G);
         }
       }
-      for (; n < n1; ++n) emit(n, u4_row(w + n * (K / 2), s + n * G, gshift, xq));
+      for (; n < n1; ++n) {
+        widen_scales(ss + n * 2 * G, 1, G, sf);
+        emit(n, u4_row(w + n * (K / 2), sf, gshift, xq), sf);
+      }
       return;
     }
     weight_tiles(n0, n1, [&](auto nw, int64_t n) {
       constexpr int NW = decltype(nw)::value;
+      widen_scales(ss + n * 2 * G, NW, G, sf);
       tile_rows<NW>(
           M,
           [&](auto mg, int64_t m0, __m128* out) {
-            u4_tile<NW, decltype(mg)::value>(w + n * (K / 2), K, s + n * G, G, gshift, xq, m0, out);
+            u4_tile<NW, decltype(mg)::value>(w + n * (K / 2), K, sf, 2 * G, gshift, xq, m0, out);
           },
           [&](int i, int64_t m0, int mg, __m128 v) {
             __m128 zterm = _mm_setzero_ps();  // the zero points' term, s z sum(x) per group, for the 4 rows at once
-            for (int64_t j = 0; j < G; ++j)
-              zterm = _mm_fmadd_ps(_mm_set1_ps(sz[(n + i) * G + j]), _mm_loadu_ps(gsum_t + j * M4 + m0), zterm);
+            const float* sz = sf + i * 2 * G + G;
+            for (int64_t j = 0; j < G; ++j) zterm = _mm_fmadd_ps(_mm_set1_ps(sz[j]), _mm_loadu_ps(gsum_t + j * M4 + m0), zterm);
             store_lanes<T>(_mm_add_ps(_mm_sub_ps(v, zterm), _mm_set1_ps(bias ? bias[n + i] : 0.f)), mg,
                            y + m0 * N + n + i, N);
           });
@@ -671,25 +746,26 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return y;
 }
 
-// x [M, K], packed [N, K / 2] uint8 (the layout above), scales and scaled zeros (s * z) [N, K / g] float32 ->
-// [M, N] in x's dtype. Up to quant_max_rows() rows stream; more dequantize the weight and take aten's matmul.
-// float32 activations are used as they are (exact against the dequantized weight); bf16/fp16 ones, with AVX2,
-// take the integer path.
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                       const at::Tensor& szeros, int64_t group, const c10::optional<at::Tensor>& bias) {
+// x [M, K], packed [N, K / 2] uint8 (the layout above), scales [N, 2, K / g] fp16 (row n's group scales, then its
+// zero points) -> [M, N] in x's dtype. Up to quant_max_rows() rows stream; more dequantize the weight and
+// take aten's matmul. float32 activations are used as they are (exact against the dequantized weight); bf16/fp16
+// ones, with AVX2, take the integer path.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
+                       const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) == 2 * packed.size(1), "int4_linear: x [M, K], w [N, K/2]");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "int4_linear: contiguous uint8 weight");
   const int64_t M = x.size(0), N = packed.size(0), K = x.size(1);
   TORCH_CHECK(group % 32 == 0 && K % group == 0, "int4_linear: the group size is a multiple of 32 dividing K");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && szeros.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  szeros.is_contiguous() && scales.numel() == N * (K / group) && szeros.numel() == scales.numel(),
-              "int4_linear: float32 scales and scaled zeros [N, K / group]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == N && scales.size(1) == 2 && scales.size(2) == K / group,
+              "int4_linear: fp16 scales and zero points [N, 2, K / group]");
   at::Tensor b32;
   const float* bp = bias_f32(bias, b32);
   if (M > quant_max_rows() || x.stride(1) != 1) {
     auto p = packed.view({N, K / 32, 16});
     auto q = at::cat({at::bitwise_and(p, 15), at::bitwise_right_shift(p, 4)}, 2).view({N, K}).to(at::kFloat);
-    auto w = (q.view({N, K / group, group}) * scales.view({N, K / group, 1}) - szeros.view({N, K / group, 1}));
+    auto sf = scales.to(at::kFloat);
+    auto w = (q.view({N, K / group, group}) - sf.select(1, 1).unsqueeze(2)) * sf.select(1, 0).unsqueeze(2);
     at::Tensor y = at::mm(x.to(at::kFloat), w.view({N, K}).t());
     if (bp) y = y + b32;
     return y.to(x.scalar_type());
@@ -700,13 +776,13 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     if constexpr (kHalfWidth<scalar_t>) {
       const int64_t bpg = group / 32;  // 2^i blocks per group: every group size we make (quant/int4.py)
       if ((bpg & (bpg - 1)) == 0) {
-        int4_rows_q8<scalar_t>(x, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), szeros.data_ptr<float>(),
-                               group, bp, y.data_ptr<scalar_t>(), N, K);
+        int4_rows_q8<scalar_t>(x, packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), group, bp,
+                               y.data_ptr<scalar_t>(), N, K);
         return;
       }
     }
 #endif
-    int4_rows_f32<scalar_t>(x, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), szeros.data_ptr<float>(), group, bp,
+    int4_rows_f32<scalar_t>(x, packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), group, bp,
                             y.data_ptr<scalar_t>(), N, K);
   });
   return y;
