@@ -182,7 +182,8 @@ void pair_rows(QuantizedRows& x, int64_t M) {
 }
 
 // `rows` consecutive weight rows' fp16 group scales and zero points (2G each, as [N, 2, G] holds them) -> float
-// scales and scaled zeros s * z (exact: an fp16 s times an integer z < 16), once per row.
+// scales and scaled zeros s * z (exact: an fp16 s times an integer z < 16), for the tiles (which use each
+// weight row's for up to 16 activation rows).
 inline void widen_scales(const at::Half* src, int64_t rows, int64_t G, float* dst) {
   const int64_t n = rows * 2 * G;
   int64_t j = 0;
@@ -193,15 +194,6 @@ inline void widen_scales(const at::Half* src, int64_t rows, int64_t G, float* ds
     float* sr = dst + r * 2 * G;
     for (int64_t i = 0; i < G; ++i) sr[G + i] *= sr[i];
   }
-}
-
-inline float dot_f32(const float* a, const float* b, int64_t n) {  // the zero points' term of a row
-  __m256 acc = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
-  float t = hsum8(acc);
-  for (; j < n; ++j) t += a[j] * b[j];
-  return t;
 }
 
 // A weight row's group scales over the pair (b, b + 1): one broadcast when groups span two blocks or more.
@@ -233,28 +225,6 @@ inline float i8_row(const int8_t* wr, const QuantizedRows& x) {
     step(b + 1, 1);
   }
   if (b < x.B) step(b, 0);
-  return hsum8(_mm256_add_ps(acc[0], acc[1]));
-}
-
-// int4: ws(b) = s_row[b >> gshift] (2^gshift blocks per group), s_row widened to float. Blocks go in pairs
-// (load_u4_pair), x in its pair order (pair_rows).
-inline float u4_row(const uint8_t* wr, const float* s_row, int gshift, const QuantizedRows& x) {
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  int64_t b = 0;
-  for (int u = 0; b + 2 <= x.B; b += 2, u ^= 1) {
-    if ((b & 3) == 0) prefetch_stream(wr + b * 16 + kStreamAhead);  // one 64-byte line per 4 blocks
-    __m256i wlo, whi;
-    load_u4_pair(wr + b * 16, wlo, whi);
-    const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qp + b * 32));
-    const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qp + b * 32 + 32));
-    const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(x.sp + b * 4), pair_weight_scale(s_row, b, gshift));
-    acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4_pair(wlo, whi, xlo, xhi)), sc, acc[u]);
-  }
-  if (b < x.B) {  // an odd last block
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qp + b * 32));
-    acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_block_u4(load_u4_block(wr + b * 16), xv)),
-                             _mm256_set1_ps(s_row[b >> gshift] * x.scale[b]), acc[0]);
-  }
   return hsum8(_mm256_add_ps(acc[0], acc[1]));
 }
 
@@ -290,32 +260,85 @@ inline void i8_dots_4rows(const int8_t* w, int64_t K, const QuantizedRows& x, fl
   _mm_storeu_ps(out, hsums(acc, 4));
 }
 
-// s: the four rows' widened scales, `ss` floats apart.
-inline void u4_dots_4rows(const uint8_t* w, int64_t K, const float* s, int64_t ss, int gshift, const QuantizedRows& x,
-                          float* out) {
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  int64_t b = 0;
-  for (; b + 2 <= x.B; b += 2) {  // blocks in pairs (load_u4_pair), x in pair order
-    const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qp + b * 32));
-    const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qp + b * 32 + 32));
-    const __m256 xs = _mm256_loadu_ps(x.sp + b * 4);
+// Weight row sr's group scales and zero points ([2G] fp16), groups 8c .. 8c + 7, as float vectors. Lanes past G
+// hold the next values in memory (the row's zero points, the next row's scales: finite, and only ever multiplied
+// by gsum's zero lanes), except where that would read past `end`, the tensor's end: there they are zero.
+inline void scale_chunk(const at::Half* sr, int64_t G, int64_t c, const at::Half* end, __m256& s, __m256& z) {
+  const int64_t j = c * 8;
+  if (sr + G + j + 8 <= end) {
+    s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + j)));
+    z = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + G + j)));
+  } else {  // the last row's last, partial chunk
+    alignas(16) at::Half t[16] = {};
+    for (int64_t i = 0; i < G - j; ++i) t[i] = sr[j + i], t[8 + i] = sr[G + j + i];
+    s = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+    z = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(t + 8)));
+  }
+}
+
+// One activation row (a single stream's decode) against NR weight rows (K / 2 bytes apart; their fp16 scales
+// and zero points 2G apart): out[i] = sum over groups j of s_ij (sum q x - z_ij gsum_j). The scales stay in
+// registers, 8 groups per vector, converted as the row reaches them, and each pair of blocks takes its group's
+// scale with one lane permute; the zero points' term is a vector FMA per 8 groups, subtracted before the one
+// horizontal sum. (Widened into a float buffer per row first, the scales' conversion, the s z products and a
+// scalar zero-point loop had cost a 6-group row of the bundled model about a third of its dot products.)
+// NR = 4 for short rows (K <= kFourRowsMaxK), as i8_dots_4rows: one accumulator per row; NR = 1 alternates two,
+// two FMA chains in flight.
+
+template <int NR>
+inline void u4_rows(const uint8_t* w, int64_t K, const at::Half* ss, const at::Half* ss_end, int64_t G, int gshift,
+                    const QuantizedRows& x, const float* gsum, float* out) {
+  constexpr int U = NR == 1 ? 2 : 1;
+  __m256 acc[NR][U], zacc[NR];
+  for (int i = 0; i < NR; ++i) {
+    zacc[i] = _mm256_setzero_ps();
+    for (int u = 0; u < U; ++u) acc[i][u] = _mm256_setzero_ps();
+  }
+  // the lanes of a pair's scales: one group (g >= 64), or blocks b and b + 1 in groups of their own (g = 32)
+  const __m256i pair_lanes = gshift > 0 ? _mm256_setzero_si256() : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  int u = 0;
+  for (int64_t c = 0; c * 8 < G; ++c) {
+    __m256 sv[NR];
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      if ((b & 3) == 0) prefetch_stream(w + i * (K / 2) + b * 16 + kStreamAhead);
-      __m256i wlo, whi;
-      load_u4_pair(w + i * (K / 2) + b * 16, wlo, whi);
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4_pair(wlo, whi, xlo, xhi)),
-                               _mm256_mul_ps(xs, pair_weight_scale(s + i * ss, b, gshift)), acc[i]);
+    for (int i = 0; i < NR; ++i) {
+      __m256 zv;
+      scale_chunk(ss + i * 2 * G, G, c, ss_end, sv[i], zv);
+      zacc[i] = _mm256_fmadd_ps(_mm256_mul_ps(sv[i], zv), _mm256_loadu_ps(gsum + c * 8), zacc[i]);
+    }
+    const int64_t b1 = std::min<int64_t>(x.B, (c * 8 + 8) << gshift);
+    int64_t b = (c * 8) << gshift;
+    for (; b + 2 <= b1; b += 2) {
+      const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>((b >> gshift) & 7)), pair_lanes);
+      const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qp + b * 32));
+      const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qp + b * 32 + 32));
+      const __m256 xs = _mm256_loadu_ps(x.sp + b * 4);
+#pragma GCC unroll 4
+      for (int i = 0; i < NR; ++i) {
+        const uint8_t* wr = w + i * (K / 2);
+        if ((b & 3) == 0) prefetch_stream(wr + b * 16 + kStreamAhead);  // one 64-byte line per 4 blocks
+        __m256i wlo, whi;
+        load_u4_pair(wr + b * 16, wlo, whi);
+        acc[i][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4_pair(wlo, whi, xlo, xhi)),
+                                    _mm256_mul_ps(xs, _mm256_permutevar8x32_ps(sv[i], idx)), acc[i][u]);
+      }
+      if constexpr (U == 2) u ^= 1;
+    }
+    if (b < b1) {  // an odd last block (K / 32 odd)
+      const __m256i idx = _mm256_set1_epi32(static_cast<int>((b >> gshift) & 7));
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qp + b * 32));
+#pragma GCC unroll 4
+      for (int i = 0; i < NR; ++i)
+        acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_block_u4(load_u4_block(w + i * (K / 2) + b * 16), xv)),
+                                    _mm256_mul_ps(_mm256_set1_ps(x.scale[b]), _mm256_permutevar8x32_ps(sv[i], idx)),
+                                    acc[i][0]);
     }
   }
-  if (b < x.B) {  // an odd last block
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qp + b * 32));
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i)
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_block_u4(load_u4_block(w + i * (K / 2) + b * 16), xv)),
-                               _mm256_set1_ps(s[i * ss + (b >> gshift)] * x.scale[b]), acc[i]);
-  }
-  _mm_storeu_ps(out, hsums(acc, 4));
+  __m256 r[NR];
+  for (int i = 0; i < NR; ++i) r[i] = _mm256_sub_ps(U == 2 ? _mm256_add_ps(acc[i][0], acc[i][U - 1]) : acc[i][0], zacc[i]);
+  if constexpr (NR == 1)
+    out[0] = hsum8(r[0]);
+  else
+    _mm_storeu_ps(out, hsums(r, NR));
 }
 
 // ---- several activation rows: tiles of NW weight rows x MG activation rows ---------------------------------
@@ -429,9 +452,6 @@ inline void u4_tile(const uint8_t* w, int64_t K, const float* s, int64_t ss, int
       if ((b & 3) == 0) prefetch_stream(w + i * (K / 2) + b * 16 + kStreamAhead);  // one line per 4 blocks
       load_u4_pair(w + i * (K / 2) + b * 16, wlo[i], whi[i]);
     }
-    __m256 ws[NW];
-#pragma GCC unroll 4
-    for (int i = 0; i < NW; ++i) ws[i] = pair_weight_scale(s + i * ss, b, gshift);
 #pragma GCC unroll 4
     for (int m = 0; m < MG; ++m) {
       const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + b * 32));
@@ -440,7 +460,7 @@ inline void u4_tile(const uint8_t* w, int64_t K, const float* s, int64_t ss, int
 #pragma GCC unroll 4
       for (int i = 0; i < NW; ++i)
         acc[i][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4_pair(wlo[i], whi[i], xlo, xhi)),
-                                    _mm256_mul_ps(xs, ws[i]), acc[i][m]);
+                                    _mm256_mul_ps(xs, pair_weight_scale(s + i * ss, b, gshift)), acc[i][m]);
     }
   }
   if (b < x.B) {  // an odd last block
@@ -656,40 +676,38 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
   const int64_t M = x.size(0), G = K / g, bpg = g / 32;
   pair_rows(xq, M);
   const int gshift = __builtin_ctzll(bpg);  // the caller checked that bpg is a power of two
-  // Per group, the sum of the quantized x: [M][G] (gsum), and transposed [G][M4] (M rounded up to 4, zero past
-  // M) so that a tile's 4 rows are one vector (gsum_t).
-  const int64_t M4 = (M + 3) / 4 * 4;
-  float* gsum = scratch(gbuf, M * G + G * M4);
-  float* gsum_t = gsum + M * G;
-  std::fill(gsum_t, gsum_t + G * M4, 0.f);
+  // Per group, the sum of the quantized x: [M][G8] (gsum; G rounded up to 8, zero past G, so that 8 groups are
+  // one vector), and transposed [G][M4] (M rounded up to 4, zero past M) so that a tile's 4 rows are one vector.
+  const int64_t M4 = (M + 3) / 4 * 4, G8 = (G + 7) / 8 * 8;
+  float* gsum = scratch(gbuf, M * G8 + G * M4);
+  float* gsum_t = gsum + M * G8;
+  std::fill(gsum, gsum + M * G8 + G * M4, 0.f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < G; ++j) {
       float acc = 0.f;
       for (int64_t b = j * bpg; b < (j + 1) * bpg; ++b) acc += xq.scale[m * xq.B + b] * static_cast<float>(xq.sum[m * xq.B + b]);
-      gsum[m * G + j] = gsum_t[j * M4 + m] = acc;
+      gsum[m * G8 + j] = gsum_t[j * M4 + m] = acc;
     }
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    static thread_local std::vector<float> fbuf;
-    float* sf = scratch(fbuf, 4 * 2 * G);  // up to 4 weight rows' scales and scaled zeros, widened
     if (M == 1) {
-      auto emit = [&](int64_t n, float v, const float* sfr) {
-        y[n] = static_cast<T>(v - dot_f32(sfr + G, gsum, G) + (bias ? bias[n] : 0.f));
-      };
+      auto emit = [&](int64_t n, float v) { y[n] = static_cast<T>(v + (bias ? bias[n] : 0.f)); };
       int64_t n = n0;
       if (K <= kFourRowsMaxK) {  // short rows: four weight rows at a time
         float out[4];
         for (; n + 4 <= n1; n += 4) {
-          widen_scales(ss + n * 2 * G, 4, G, sf);
-          u4_dots_4rows(w + n * (K / 2), K, sf, 2 * G, gshift, xq, out);
-          for (int i = 0; i < 4; ++i) emit(n + i, out[i], sf + i * 2 * G);
+          u4_rows<4>(w + n * (K / 2), K, ss + n * 2 * G, ss + N * 2 * G, G, gshift, xq, gsum, out);
+          for (int i = 0; i < 4; ++i) emit(n + i, out[i]);
         }
       }
       for (; n < n1; ++n) {
-        widen_scales(ss + n * 2 * G, 1, G, sf);
-        emit(n, u4_row(w + n * (K / 2), sf, gshift, xq), sf);
+        float out;
+        u4_rows<1>(w + n * (K / 2), K, ss + n * 2 * G, ss + N * 2 * G, G, gshift, xq, gsum, &out);
+        emit(n, out);
       }
       return;
     }
+    static thread_local std::vector<float> fbuf;
+    float* sf = scratch(fbuf, 2 * 2 * G);  // a tile's (up to) 2 weight rows' scales and scaled zeros, widened
     weight_tiles(n0, n1, [&](auto nw, int64_t n) {
       constexpr int NW = decltype(nw)::value;
       widen_scales(ss + n * 2 * G, NW, G, sf);
