@@ -133,13 +133,14 @@ def test_quantized_kernels_integer_path_is_the_block_quantized_product(dtype):
     """bf16/fp16 activations: the int8 (quantize_x) and int4 kernels compute exactly the dequantized weight times
     the per-32-block quantized activations (llama.cpp's q8_0 arithmetic), up to float summation order and the
     output's rounding, for every row count they stream (one row; 2..16 in tiles of 2 weight rows x up to 4), with
-    an odd block count (int4 takes blocks in pairs) and an odd row count (the tiles' last single row)."""
+    odd block counts (int4 takes blocks in pairs, or fours with AVX-512: 1056, 1088 and 1120 leave 1, 2 and 3
+    over), group counts that fill no whole vector of 8 or 16, and an odd row count (the tiles' last single row)."""
     from leverlab.quant.int4 import dequantize_streaming, pack_int4_streaming, quantize_int4
 
     kern = cpu_kernels.kernels()
     torch.manual_seed(0)
     for m in (1, 2, 3, 5, 16):
-        for n, k in ((64, 64), (37, 384), (96, 1024), (41, 96), (8, 1056)):
+        for n, k in ((64, 64), (37, 384), (96, 1024), (41, 96), (8, 1056), (5, 1088), (6, 1120)):
             x = (torch.randn(m, k) * torch.rand(1, k) * 4).to(dtype)
             xq = quantize_blocks_q8(x)
             w, b = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.randn(n)

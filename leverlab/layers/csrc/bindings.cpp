@@ -1,6 +1,8 @@
 // One extension module for our CPU kernels (built by leverlab/layers/cpu_kernels.py).
 #include <torch/extension.h>
 
+#include "stream_hint.h"
+
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                         at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
@@ -36,5 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "quantize_x: bf16/fp16 x quantized per 32-block for integer dot products");
   m.def("int4_linear", &int4_linear, "y = x W^T (+ b) for int4 W (packed [N, K/2], fp16 scales and zero points [N, 2, K/g]); streaming for 1..quant_max_rows() rows");
   m.def("quant_max_rows", &quant_max_rows, "the most activation rows the streaming int8/int4 kernels take");
+  m.def("set_stream_prefetch", [](bool on) { stream_prefetch_enabled() = on; },
+        "whether the streaming kernels prefetch their weights ahead, non-temporally (csrc/stream_hint.h)");
+  m.def("stream_prefetch", []() { return stream_prefetch_enabled(); });
   bind_fused_decoder(m);
 }

@@ -31,6 +31,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define LEVERLAB_QUANT_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define LEVERLAB_QUANT_AVX512 1  // AVX-512 with VNNI (Ice Lake and later, Zen 4): int4's single stream below
+#endif
 #endif
 
 // Rows up to which these kernels stream (callers hand more to batched GEMMs): 16 keeps a batch-16 decode
@@ -65,6 +68,7 @@ struct QuantizedRows {
   int64_t K, B;
   const int8_t* qp = nullptr;
   const float* sp = nullptr;
+  const int8_t* q4 = nullptr;  // AVX-512, one row: quad order (quad_row)
 };
 
 template <typename T>
@@ -340,6 +344,84 @@ inline void u4_rows(const uint8_t* w, int64_t K, const at::Half* ss, const at::H
   else
     _mm_storeu_ps(out, hsums(r, NR));
 }
+
+#if LEVERLAB_QUANT_AVX512
+// ---- a single stream on AVX-512 VNNI: four blocks per step ------------------------------------------------
+// Four consecutive blocks are 64 packed bytes, one 512-bit load: a mask gives weights 0..15 of each block (one
+// 128-bit lane per block), a shift and a mask weights 16..31. x is put in the same "quad" order once per call
+// (quad_row: per quad, 128 bytes, the four blocks' elements 0..15, then their 16..31), and two vpdpbusd (u8 x s8,
+// four products summed into each int32 lane: at most 4 * 15 * 127, no overflow) leave each block's dot product
+// in four lanes; its scale, x's block scale times the row's group scale, is one vector per quad (x.sp holds x's,
+// the group scales sit 16 to a register and are picked by one vpermps). Against the 256-bit pairs above: ~12
+// ops per 128 weights where those take ~28.
+void quad_row(QuantizedRows& x) {
+  static thread_local std::vector<int8_t> buf;
+  const int64_t Q = x.B / 4;
+  int8_t* o = scratch(buf, std::max<int64_t>(1, Q * 128));
+  for (int64_t q = 0; q < Q; ++q)
+    for (int j = 0; j < 4; ++j) {
+      std::memcpy(o + q * 128 + j * 16, x.q + (4 * q + j) * 32, 16);
+      std::memcpy(o + q * 128 + 64 + j * 16, x.q + (4 * q + j) * 32 + 16, 16);
+    }
+  x.q4 = o;
+}
+
+// Row sr's scales and zero points ([2G] fp16), groups 16c .. 16c + 15, as scale_chunk does for 8.
+inline void scale_chunk16(const at::Half* sr, int64_t G, int64_t c, const at::Half* end, __m512& s, __m512& z) {
+  const int64_t j = c * 16;
+  if (sr + G + j + 16 <= end) {
+    s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sr + j)));
+    z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sr + G + j)));
+  } else {
+    alignas(32) at::Half t[32] = {};
+    for (int64_t i = 0; i < std::min<int64_t>(16, G - j); ++i) t[i] = sr[j + i], t[16 + i] = sr[G + j + i];
+    s = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(t)));
+    z = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(t + 16)));
+  }
+}
+
+// u4_rows<1> with quads; blocks past the last whole quad take the pair code's arithmetic. gsum: G rounded up to 16.
+inline float u4_row_512(const uint8_t* wr, const at::Half* sr, const at::Half* end, int64_t G, int gshift,
+                        const QuantizedRows& x, const float* gsum) {
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, zacc = _mm512_setzero_ps();
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const int64_t Q = x.B / 4;
+  __m512 sv = _mm512_setzero_ps();
+  int u = 0;
+  for (int64_t c = 0; c * 16 < G; ++c) {
+    __m512 zv;
+    scale_chunk16(sr, G, c, end, sv, zv);
+    zacc = _mm512_fmadd_ps(_mm512_mul_ps(sv, zv), _mm512_loadu_ps(gsum + c * 16), zacc);
+    // block numbers of a quad's lanes (4 each); their group, mod 16, is the lane of sv to take
+    __m512i blk = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>((c * 16) << gshift)),
+                                   _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+    const int64_t q1 = std::min<int64_t>(Q, ((c * 16 + 16) << gshift) / 4);
+    for (int64_t q = ((c * 16) << gshift) / 4; q < q1; ++q, u ^= 1) {
+      prefetch_stream(wr + q * 64 + kStreamAhead);
+      const __m512i v = _mm512_loadu_si512(wr + q * 64);
+      const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x.q4 + q * 128));
+      d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(x.q4 + q * 128 + 64));
+      const __m512 ws = _mm512_permutexvar_ps(_mm512_srli_epi32(blk, gshift), sv);  // vpermps reads 4 index bits
+      acc[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(_mm512_loadu_ps(x.sp + q * 16), ws), acc[u]);
+      blk = _mm512_add_epi32(blk, _mm512_set1_epi32(4));
+    }
+  }
+  float tail = 0.f;  // blocks 4Q .. B (K / 32 not a multiple of 4), in x's pair order
+  for (int64_t b = 4 * Q; b < x.B; ++b) {
+    const float ws = static_cast<float>(sr[b >> gshift]) * x.scale[b];
+    // block b's elements 0..15 and 16..31 in the pair layout: a pair (b even, b + 1 < B) interleaves halves
+    const bool paired = b < (x.B & ~int64_t(1));
+    const int8_t* xb_lo = paired ? x.qp + (b & ~int64_t(1)) * 32 + (b & 1) * 16 : x.qp + b * 32;
+    const int8_t* xb_hi = paired ? xb_lo + 32 : xb_lo + 16;
+    int32_t dot = 0;
+    for (int i = 0; i < 16; ++i)
+      dot += static_cast<int32_t>(wr[b * 16 + i] & 15) * xb_lo[i] + static_cast<int32_t>(wr[b * 16 + i] >> 4) * xb_hi[i];
+    tail += ws * static_cast<float>(dot);
+  }
+  return _mm512_reduce_add_ps(_mm512_sub_ps(_mm512_add_ps(acc[0], acc[1]), zacc)) + tail;
+}
+#endif
 
 // ---- several activation rows: tiles of NW weight rows x MG activation rows ---------------------------------
 // A tile loads each weight block once for its MG activation rows and each activation block once for its NW
@@ -676,9 +758,9 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
   const int64_t M = x.size(0), G = K / g, bpg = g / 32;
   pair_rows(xq, M);
   const int gshift = __builtin_ctzll(bpg);  // the caller checked that bpg is a power of two
-  // Per group, the sum of the quantized x: [M][G8] (gsum; G rounded up to 8, zero past G, so that 8 groups are
-  // one vector), and transposed [G][M4] (M rounded up to 4, zero past M) so that a tile's 4 rows are one vector.
-  const int64_t M4 = (M + 3) / 4 * 4, G8 = (G + 7) / 8 * 8;
+  // Per group, the sum of the quantized x: [M][G8] (gsum; G rounded up to 16, zero past G, so that 8 or 16 groups
+  // are one vector), and transposed [G][M4] (M rounded up to 4, zero past M) so that a tile's 4 rows are one vector.
+  const int64_t M4 = (M + 3) / 4 * 4, G8 = (G + 15) / 16 * 16;
   float* gsum = scratch(gbuf, M * G8 + G * M4);
   float* gsum_t = gsum + M * G8;
   std::fill(gsum, gsum + M * G8 + G * M4, 0.f);
@@ -688,10 +770,20 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
       for (int64_t b = j * bpg; b < (j + 1) * bpg; ++b) acc += xq.scale[m * xq.B + b] * static_cast<float>(xq.sum[m * xq.B + b]);
       gsum[m * G8 + j] = gsum_t[j * M4 + m] = acc;
     }
+#if LEVERLAB_QUANT_AVX512
+  const bool wide = M == 1 && K > kFourRowsMaxK;
+  if (wide) quad_row(xq);
+#endif
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     if (M == 1) {
       auto emit = [&](int64_t n, float v) { y[n] = static_cast<T>(v + (bias ? bias[n] : 0.f)); };
       int64_t n = n0;
+#if LEVERLAB_QUANT_AVX512
+      if (wide) {
+        for (; n < n1; ++n) emit(n, u4_row_512(w + n * (K / 2), ss + n * 2 * G, ss + N * 2 * G, G, gshift, xq, gsum));
+        return;
+      }
+#endif
       if (K <= kFourRowsMaxK) {  // short rows: four weight rows at a time
         float out[4];
         for (; n + 4 <= n1; n += 4) {
