@@ -220,16 +220,21 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   auto yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    // Groups of at most 4 activation rows (8 accumulators); for 5..8 rows a weight row is read twice, the
-    // second time from L1.
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const float* xg = xs + m0 * K16;
-      uint16_t* yg = yp + m0 * N;
-      switch (std::min<int64_t>(4, M - m0)) {
-        case 1: columns<1, 4>(xg, K16, wp, K, bp, yg, N, n0, n1); break;
-        case 2: columns<2, 2>(xg, K16, wp, K, bp, yg, N, n0, n1); break;
-        case 3: columns<3, 1>(xg, K16, wp, K, bp, yg, N, n0, n1); break;
-        default: columns<4, 1>(xg, K16, wp, K, bp, yg, N, n0, n1); break;
+    // Groups of at most 4 activation rows (8 accumulators), over a block of kRows weight rows at a time: past 4
+    // rows each weight row is read again for the next group, from L1. (Group by group over the thread's whole
+    // share of N, as this had been, streamed the weights from memory once per group: 4 times at 16 rows.)
+    constexpr int64_t kRows = 8;
+    for (int64_t b0 = n0; b0 < n1; b0 += kRows) {
+      const int64_t b1 = std::min(n1, b0 + kRows);
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const float* xg = xs + m0 * K16;
+        uint16_t* yg = yp + m0 * N;
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 1: columns<1, 4>(xg, K16, wp, K, bp, yg, N, b0, b1); break;
+          case 2: columns<2, 2>(xg, K16, wp, K, bp, yg, N, b0, b1); break;
+          case 3: columns<3, 1>(xg, K16, wp, K, bp, yg, N, b0, b1); break;
+          default: columns<4, 1>(xg, K16, wp, K, bp, yg, N, b0, b1); break;
+        }
       }
     }
   });
