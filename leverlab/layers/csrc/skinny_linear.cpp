@@ -116,88 +116,151 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
 #include <immintrin.h>
 #define SKINNY_AVX2_MAX_ROWS 32
 
-// AVX2 + FMA (Zen 2/3, Haswell and later): no bf16 dot product, so the kernel widens the weights to float32 in
-// registers. A 32-bit lane holding bf16 elements (2i, 2i+1) gives element 2i+1 as a float by masking off the low
-// half and element 2i by shifting it left 16: two integer ops per 16 weights, no shuffles. The activations are
-// widened once per call into that same order (even elements, then odd, per 16-element chunk), so each 16-weight
-// chunk costs one load, two integer ops and 2 * M FMAs, and stays ahead of one core's memory stream.
+// AVX2 + FMA (Zen 2/3, Haswell and later), and AVX-512F without BF16 (Ice Lake .. Emerald Rapids as some VMs show
+// them): no bf16 dot product, so the kernel widens the weights to float32 in registers. A 32-bit lane holding bf16
+// elements (2i, 2i+1) gives element 2i+1 as a float by masking off the low half and element 2i by shifting it
+// left 16: two integer ops per vector of weights, no shuffles. The activations are widened once per call into
+// that same order (even elements, then odd, per chunk of 2W, W floats to a vector), so each chunk costs one load,
+// two integer ops and 2 * M FMAs, and stays ahead of one core's memory stream. With AVX-512 a chunk is 32
+// weights and a group takes up to 8 activation rows (32 registers: 16 accumulators), where AVX2 takes 16 and 4:
+// at 16 rows on a Xeon that streamed the bf16 weights about as fast as llama.cpp's AVX-512 path, where the AVX2
+// code had managed half (bf16 batch-16 decode 0.53x llama.cpp on the Qwen3-0.6B shape).
 
 bool has_skinny_linear() { return true; }
-// Rows are taken 4 at a time, each weight row re-read from L1 for the next 4, so past a few rows the kernel is
-// a compute-bound GEMM; it stays ahead of aten's bf16 GEMM (emulated without AVX-512 BF16) up to this many.
+// Rows are taken in groups (4 with AVX2, 8 with AVX-512), each weight row re-read from L1 for the next group, so
+// past a few rows the kernel is a compute-bound GEMM; it stays ahead of aten's bf16 GEMM (emulated without
+// AVX-512 BF16) up to this many.
 int64_t skinny_max_rows() { return SKINNY_AVX2_MAX_ROWS; }
 
 namespace {
 
-// x [M, K] bf16 -> xs [M, K16] float32, K16 = K rounded up to 16: per chunk of 16, the 8 even elements then the
-// 8 odd ones (zero past K, so the masked tail of a weight row adds nothing).
-void widen_split(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, float* xs, int64_t K16) {
+struct Avx2 {
+  using F = __m256;
+  static constexpr int W = 8, kGroup = 4;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static float sum(F a) { return hsum8(a); }
+  static void widen(const uint16_t* p, F& even, F& odd) { widen_bf16x16(p, even, odd); }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+struct Avx512 {
+  using F = __m512;
+  static constexpr int W = 16, kGroup = 8;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static float sum(F a) { return _mm512_reduce_add_ps(a); }
+  static void widen(const uint16_t* p, F& even, F& odd) {  // 32 bf16 values, as widen_bf16x16
+    const __m512i w = _mm512_loadu_si512(p);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+};
+using Vec = Avx512;
+#else
+using Vec = Avx2;
+#endif
+
+// x [M, K] bf16 -> xs [M, KC] float32, KC = K rounded up to a chunk C = 2W: per chunk, the W even elements then
+// the W odd ones (zero past K, so the masked tail of a weight row adds nothing).
+template <int C>
+void widen_split(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, float* xs, int64_t KC) {
   for (int64_t m = 0; m < M; ++m) {
     const uint16_t* xr = x + m * ldx;
-    float* d = xs + m * K16;
-    for (int64_t c = 0; c < K16; c += 16)
-      for (int j = 0; j < 8; ++j) {
+    float* d = xs + m * KC;
+    for (int64_t c = 0; c < KC; c += C)
+      for (int j = 0; j < C / 2; ++j) {
         const int64_t e = c + 2 * j, o = e + 1;
         uint32_t be = e < K ? static_cast<uint32_t>(xr[e]) << 16 : 0u, bo = o < K ? static_cast<uint32_t>(xr[o]) << 16 : 0u;
         std::memcpy(d + c + j, &be, 4);
-        std::memcpy(d + c + 8 + j, &bo, 4);
+        std::memcpy(d + c + C / 2 + j, &bo, 4);
       }
   }
 }
 
-// Output column n for M activation rows (M <= 4): U chunks of 16 in flight, even and odd halves in separate
-// accumulators, so M * U * 2 <= 8 independent FMA chains cover the FMA latency without spilling.
-template <int M, int U>
-inline void column(const float* xs, int64_t K16, const uint16_t* w, int64_t K, const float* bias, uint16_t* y,
+// Output column n for M activation rows (M <= V::kGroup): U chunks in flight, even and odd halves in separate
+// accumulators, so M * U * 2 independent FMA chains cover the FMA latency without spilling.
+template <typename V, int M, int U>
+inline void column(const float* xs, int64_t KC, const uint16_t* w, int64_t K, const float* bias, uint16_t* y,
                    int64_t ldy, int64_t n) {
-  __m256 ae[M][U], ao[M][U];
+  using F = typename V::F;
+  constexpr int C = 2 * V::W;
+  F ae[M][U], ao[M][U];
   for (int m = 0; m < M; ++m)
-    for (int u = 0; u < U; ++u) ae[m][u] = ao[m][u] = _mm256_setzero_ps();
+    for (int u = 0; u < U; ++u) ae[m][u] = ao[m][u] = V::zero();
   const uint16_t* wr = w + n * K;
   int64_t k = 0;
-  for (; k + 16 * U <= K; k += 16 * U) {
+  for (; k + C * U <= K; k += C * U) {
     // Non-temporal prefetch 1 KB ahead (stream_hint.h): the weights, read once per step, stay out of the caches
     // that hold everything else. A T0 prefetch measured 3-5% slower than none; NTA 8-20% faster per decode step.
-    for (int u = 0; u < U; u += 2) prefetch_stream(wr + k + 16 * u + kStreamAhead / 2);
+    constexpr int kPerLine = C >= 32 ? 1 : 32 / C;  // chunks per 64-byte line
+    for (int u = 0; u < U; u += kPerLine) prefetch_stream(wr + k + C * u + kStreamAhead / 2);
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) {
-      __m256 we, wo;
-      widen_bf16x16(wr + k + 16 * u, we, wo);
-#pragma GCC unroll 4
+      F we, wo;
+      V::widen(wr + k + C * u, we, wo);
+#pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
-        const float* xm = xs + m * K16 + k + 16 * u;
-        ae[m][u] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xm), ae[m][u]);
-        ao[m][u] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xm + 8), ao[m][u]);
+        const float* xm = xs + m * KC + k + C * u;
+        ae[m][u] = V::fma(we, V::load(xm), ae[m][u]);
+        ao[m][u] = V::fma(wo, V::load(xm + V::W), ao[m][u]);
       }
     }
   }
-  for (; k < K; k += 16) {  // the rest, 16 at a time; a partial last chunk is copied out (x is zero there)
-    alignas(32) uint16_t tmp[16] = {0};
+  for (; k < K; k += C) {  // the rest, a chunk at a time; a partial last chunk is copied out (x is zero there)
+    alignas(64) uint16_t tmp[C] = {0};
     const uint16_t* src = wr + k;
-    if (K - k < 16) {
+    if (K - k < C) {
       std::memcpy(tmp, wr + k, (K - k) * 2);
       src = tmp;
     }
-    __m256 we, wo;
-    widen_bf16x16(src, we, wo);
+    F we, wo;
+    V::widen(src, we, wo);
     for (int m = 0; m < M; ++m) {
-      const float* xm = xs + m * K16 + k;
-      ae[m][0] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xm), ae[m][0]);
-      ao[m][0] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xm + 8), ao[m][0]);
+      const float* xm = xs + m * KC + k;
+      ae[m][0] = V::fma(we, V::load(xm), ae[m][0]);
+      ao[m][0] = V::fma(wo, V::load(xm + V::W), ao[m][0]);
     }
   }
   for (int m = 0; m < M; ++m) {
-    __m256 s = _mm256_add_ps(ae[m][0], ao[m][0]);
-    for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, _mm256_add_ps(ae[m][u], ao[m][u]));
-    y[m * ldy + n] = c10::BFloat16(hsum8(s) + (bias ? bias[n] : 0.f)).x;
+    F s = V::add(ae[m][0], ao[m][0]);
+    for (int u = 1; u < U; ++u) s = V::add(s, V::add(ae[m][u], ao[m][u]));
+    y[m * ldy + n] = c10::BFloat16(V::sum(s) + (bias ? bias[n] : 0.f)).x;
   }
 }
 
 // Rows m0 .. m0 + M of the output, for weight rows n0 .. n1.
-template <int M, int U>
-void columns(const float* xs, int64_t K16, const uint16_t* w, int64_t K, const float* bias, uint16_t* y, int64_t ldy,
+template <typename V, int M, int U>
+void columns(const float* xs, int64_t KC, const uint16_t* w, int64_t K, const float* bias, uint16_t* y, int64_t ldy,
              int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) column<M, U>(xs, K16, w, K, bias, y, ldy, n);
+  for (int64_t n = n0; n < n1; ++n) column<V, M, U>(xs, KC, w, K, bias, y, ldy, n);
+}
+
+// One group of g <= V::kGroup activation rows over weight rows n0 .. n1: unrolled by U so that about 8
+// (AVX2) or 16 (AVX-512) accumulators are live.
+template <typename V>
+void group(int64_t g, const float* xs, int64_t KC, const uint16_t* w, int64_t K, const float* bias, uint16_t* y,
+           int64_t ldy, int64_t n0, int64_t n1) {
+  switch (g) {
+    case 1: columns<V, 1, 4>(xs, KC, w, K, bias, y, ldy, n0, n1); break;
+    case 2: columns<V, 2, 2>(xs, KC, w, K, bias, y, ldy, n0, n1); break;
+    case 3: columns<V, 3, 1>(xs, KC, w, K, bias, y, ldy, n0, n1); break;
+    case 4: columns<V, 4, 1>(xs, KC, w, K, bias, y, ldy, n0, n1); break;
+    default:
+      if constexpr (V::kGroup >= 8) {
+        switch (g) {
+          case 5: columns<V, 5, 1>(xs, KC, w, K, bias, y, ldy, n0, n1); break;
+          case 6: columns<V, 6, 1>(xs, KC, w, K, bias, y, ldy, n0, n1); break;
+          case 7: columns<V, 7, 1>(xs, KC, w, K, bias, y, ldy, n0, n1); break;
+          default: columns<V, 8, 1>(xs, KC, w, K, bias, y, ldy, n0, n1); break;
+        }
+      }
+      break;
+  }
 }
 
 }  // namespace
@@ -211,31 +274,24 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   auto y = torch::empty({M, N}, x.options());
   torch::Tensor b32;
   const float* bp = bias_f32(bias, b32);
-  const int64_t K16 = (K + 15) / 16 * 16;
-  // The widened activations: at most 8 x K floats, on the stack for the usual sizes.
+  constexpr int C = 2 * Vec::W, G = Vec::kGroup;
+  const int64_t KC = (K + C - 1) / C * C;
+  // The widened activations: on the stack for the usual sizes.
   std::vector<float> xs_heap;
   alignas(64) float xs_stack[8 * 2048];
-  float* xs = M * K16 <= 8 * 2048 ? xs_stack : (xs_heap.resize(M * K16), xs_heap.data());
-  widen_split(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), M, K, xs, K16);
+  float* xs = M * KC <= 8 * 2048 ? xs_stack : (xs_heap.resize(M * KC), xs_heap.data());
+  widen_split<C>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), M, K, xs, KC);
   auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   auto yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    // Groups of at most 4 activation rows (8 accumulators), over a block of kRows weight rows at a time: past 4
-    // rows each weight row is read again for the next group, from L1. (Group by group over the thread's whole
-    // share of N, as this had been, streamed the weights from memory once per group: 4 times at 16 rows.)
+    // Groups of at most G activation rows, over a block of kRows weight rows at a time: past one group each
+    // weight row is read again for the next, from L1. (Group by group over the thread's whole share of N, as
+    // this had been, streamed the weights from memory once per group: 4 times at 16 rows.)
     constexpr int64_t kRows = 8;
     for (int64_t b0 = n0; b0 < n1; b0 += kRows) {
       const int64_t b1 = std::min(n1, b0 + kRows);
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const float* xg = xs + m0 * K16;
-        uint16_t* yg = yp + m0 * N;
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 1: columns<1, 4>(xg, K16, wp, K, bp, yg, N, b0, b1); break;
-          case 2: columns<2, 2>(xg, K16, wp, K, bp, yg, N, b0, b1); break;
-          case 3: columns<3, 1>(xg, K16, wp, K, bp, yg, N, b0, b1); break;
-          default: columns<4, 1>(xg, K16, wp, K, bp, yg, N, b0, b1); break;
-        }
-      }
+      for (int64_t m0 = 0; m0 < M; m0 += G)
+        group<Vec>(std::min<int64_t>(G, M - m0), xs + m0 * KC, KC, wp, K, bp, yp + m0 * N, N, b0, b1);
     }
   });
   return y;
