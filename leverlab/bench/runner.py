@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,9 @@ class Phase:
     requests: list[BenchRequest]
     concurrency: int | None = None
     rate: float | None = None
+    # The name of an earlier phase that sends exactly these requests the same way: its records are this one's
+    # (the sweep's concurrency-1 point over the single phase's bucket; running it again measured nothing new)
+    same_as: str | None = None
 
 
 class Progress:
@@ -175,8 +178,10 @@ def plan_phases(cfg: BenchConfig, wl: Workload) -> list[Phase]:
     else:
         for c in cfg.concurrency:
             n = max(len(base), cfg.sweep_rounds * c)
+            same = f"single/{sweep_bucket}" if cfg.single and c == 1 and n == len(base) else None
             phases.append(
-                Phase(f"sweep/{sweep_bucket}/c{c}", "sweep", sweep_bucket, _cycle(base, n), concurrency=c)
+                Phase(f"sweep/{sweep_bucket}/c{c}", "sweep", sweep_bucket, _cycle(base, n), concurrency=c,
+                      same_as=same)
             )
     return phases
 
@@ -240,6 +245,21 @@ async def arun_benchmark(cfg: BenchConfig, progress: Progress | None = None) -> 
 
             return send
 
+        async def run_phase(ph: Phase) -> tuple[list[RequestRecord], float, Any, Any]:
+            """Its records, its duration, and the server's metrics before and after."""
+            before = await prometheus.scrape(client, f"{root}/metrics") if cfg.scrape_metrics else None
+            send = sender(ph.name, ph.concurrency, ph.rate)
+            if ph.kind == "poisson":
+                recs, dur = await strategies.poisson(
+                    ph.requests, ph.rate, send, seed=cfg.seed, max_concurrency=ph.concurrency
+                )
+            elif ph.kind == "sweep" and cfg.batching == "static":
+                recs, dur = await strategies.static_batches(ph.requests, ph.concurrency or 1, send)
+            else:
+                recs, dur = await strategies.concurrent(ph.requests, ph.concurrency or 1, send)
+            after = await prometheus.scrape(client, f"{root}/metrics") if cfg.scrape_metrics else None
+            return recs, dur, before, after
+
         records: list[RequestRecord] = []
         groups: list[dict[str, Any]] = []
         progress.start(phases, cfg.warmup)
@@ -251,19 +271,16 @@ async def arun_benchmark(cfg: BenchConfig, progress: Progress | None = None) -> 
                     first, cfg.warmup, sender("warmup", None), concurrency=max_c
                 )
             run_before = await prometheus.scrape(client, f"{root}/metrics") if cfg.scrape_metrics else None
+            ran: dict[str, tuple[list[RequestRecord], float, Any, Any]] = {}
             for ph in phases:
                 progress.phase(ph.name, len(ph.requests))
-                before = await prometheus.scrape(client, f"{root}/metrics") if cfg.scrape_metrics else None
-                send = sender(ph.name, ph.concurrency, ph.rate)
-                if ph.kind == "poisson":
-                    recs, dur = await strategies.poisson(
-                        ph.requests, ph.rate, send, seed=cfg.seed, max_concurrency=ph.concurrency
-                    )
-                elif ph.kind == "sweep" and cfg.batching == "static":
-                    recs, dur = await strategies.static_batches(ph.requests, ph.concurrency or 1, send)
+                reused = ph.same_as if ph.same_as in ran else None
+                if reused:
+                    recs, dur, before, after = ran[reused]
+                    recs = [replace(r, group=ph.name, concurrency=ph.concurrency) for r in recs]
                 else:
-                    recs, dur = await strategies.concurrent(ph.requests, ph.concurrency or 1, send)
-                after = await prometheus.scrape(client, f"{root}/metrics") if cfg.scrape_metrics else None
+                    recs, dur, before, after = await run_phase(ph)
+                ran[ph.name] = (recs, dur, before, after)
                 records += recs
                 g = {
                     "name": ph.name,
@@ -271,6 +288,7 @@ async def arun_benchmark(cfg: BenchConfig, progress: Progress | None = None) -> 
                     "bucket": ph.bucket,
                     "concurrency": ph.concurrency,
                     "request_rate": ph.rate,
+                    "same_requests_as": reused,
                     **metrics.aggregate(
                         recs,
                         dur,
@@ -315,6 +333,7 @@ async def arun_benchmark(cfg: BenchConfig, progress: Progress | None = None) -> 
                 "requests": len(p.requests),
                 "concurrency": p.concurrency,
                 "request_rate": p.rate,
+                "same_requests_as": p.same_as,
             }
             for p in phases
         ],

@@ -71,8 +71,10 @@ def test_results_folder_complete(small_run):
     assert m["workload"]["kind"] == "buckets" and len(m["workload"]["sha256"]) == 64
     assert m["workload"]["buckets"]["short"]["output_len"] == [4]
     assert [p["requests"] for p in m["phases"]] == [3, 3, 3, 4]
-    # the run's counter deltas start after warm-up
-    assert summary["prometheus"]["deltas"]["fake_requests_total"] == len(records) - 1
+    # the run's counter deltas start after warm-up; the sweep's concurrency-1 point reuses single/medium's 3
+    # requests (the same requests, sent the same way) instead of sending them again
+    assert [g["same_requests_as"] for g in summary["groups"]] == [None, None, "single/medium", None]
+    assert summary["prometheus"]["deltas"]["fake_requests_total"] == len(records) - 1 - 3
 
     with open(out / "summary.csv") as f:
         rows = list(csv.DictReader(f))

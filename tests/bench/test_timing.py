@@ -146,6 +146,18 @@ def test_concurrency_sweep_throughput(fake_server, make_workload):
     assert {r.concurrency for r in res.records if r.group == "sweep/a/c4"} == {4}
 
 
+def test_sweep_at_concurrency_one_reuses_the_single_phase(fake_server, make_workload):
+    wl = make_workload({"a": (5, [f"[ttft=20 itl=5] p{i}" for i in range(3)])})
+    res = run_benchmark(cfg(fake_server, wl, concurrency=[1, 2], sweep_bucket="a", sweep_rounds=1))
+    single, c1 = res.group("single/a"), res.group("sweep/a/c1")
+    assert c1["same_requests_as"] == "single/a" and res.group("sweep/a/c2")["same_requests_as"] is None
+    ids = {g: sorted(r.id for r in res.records if r.group == g) for g in ("single/a", "sweep/a/c1")}
+    assert ids["single/a"] == ids["sweep/a/c1"] and len(ids["single/a"]) == 3
+    same = [r for r in res.records if r.group == "sweep/a/c1"]
+    assert all(r.concurrency == 1 for r in same)
+    assert c1["ttft_ms"] == single["ttft_ms"] and c1["output_throughput"] == single["output_throughput"]
+
+
 def test_poisson_mode_and_goodput(fake_server, make_workload):
     ttfts = [40, 80, 160, 240]
     wl = make_workload({"a": (3, [f"[ttft={t} itl=5] p{i}" for i, t in enumerate(ttfts)])})

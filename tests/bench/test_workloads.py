@@ -49,6 +49,9 @@ def test_plan_phases(make_workload):
         ("sweep/medium/c2", 4, 2),
         ("sweep/medium/c4", 8, 4),
     ]
+    # the sweep's concurrency-1 point sends exactly the single phase's requests: it reuses them
+    assert [p.same_as for p in ph] == [None, None, "single/medium", None, None]
+    assert plan_phases(BenchConfig(single=False, concurrency=[1]), wl)[0].same_as is None
     ph = plan_phases(BenchConfig(single=False, request_rates=[0.5, 2], sweep_bucket="short"), wl)
     assert [(p.name, p.rate) for p in ph] == [("poisson/short/r0.5", 0.5), ("poisson/short/r2", 2.0)]
 
