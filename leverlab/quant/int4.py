@@ -7,9 +7,10 @@ s [out, in/g] float32, z [out, in/g] uint8 (integer zero points, as AWQ and GPTQ
 (held under the checkpoint's names qweight / scales / qzeros while loading), which
 process_weights_after_loading repacks for the kernel:
   CPU:  our streaming kernel (layers/csrc/quant_linear.cpp, pack_int4_streaming: 4-bit q, fp16 s and z) up to
-        16 rows (integer dot products for bf16/fp16 activations); else aten._weight_int4pack_mm_for_cpu (eager), which Inductor
-        lowers to its WoQ-int4 CPP GEMM template under max-autotune with frozen weights; scales_and_zeros
-        [in/g, out, 2] in the activation dtype. Every path takes the scales as rounded to fp16.
+        16 rows (integer dot products for bf16/fp16 activations); else aten._weight_int4pack_mm_for_cpu
+        (eager), which Inductor lowers to its WoQ-int4 CPP GEMM template under max-autotune with frozen
+        weights; scales_and_zeros [in/g, out, 2] in the activation dtype. Every path takes the scales as
+        rounded to fp16.
   CUDA: aten._weight_int4pack_mm (tinygemm, bf16 activations). Written to its documented layout but not
         run here: no GPU on the development machines.
 aten's two kernels compute (q - 8) * scale + zero per element, so our integer zero point z becomes the float
@@ -84,7 +85,7 @@ class Int4Method(QuantMethod):
         if group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
         self.group_size = group_size
-        # 4 bits + a 16-bit scale and a 16-bit scaled zero per group, as the streaming kernel stores them
+        # 4 bits + a 16-bit scale and a 16-bit zero point per group, as the streaming kernel stores them
         self.bits_per_weight = 4 + 32 / group_size
 
     @classmethod

@@ -16,7 +16,8 @@
 // order with no shuffles. A group's dot product is s * sum(q x) - s z * sum(x): the zero point costs one term per
 // group, from the block sums of the (quantized) activations. s and z are stored in fp16, a row's 2G of them
 // together ([N, 2, G]): at g = 64 that is 4.5 bits per weight, Q4_0's size (float32 s and s z had made it 5,
-// 11% more to read per step). A row's are widened to float s and s z once, before its blocks are read.
+// 11% more to read per step). A single stream converts them in registers as a row reaches them (u4_rows); the
+// tiles widen a weight row's once for all their activation rows (widen_scales).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -380,7 +381,8 @@ inline void scale_chunk16(const at::Half* sr, int64_t G, int64_t c, const at::Ha
   }
 }
 
-// u4_rows<1> with quads; blocks past the last whole quad take the pair code's arithmetic. gsum: G rounded up to 16.
+// u4_rows<1> with quads; blocks past the last whole quad (K / 32 not a multiple of 4) are summed in scalar code.
+// gsum: G rounded up to 16, zero past G.
 inline float u4_row_512(const uint8_t* wr, const at::Half* sr, const at::Half* end, int64_t G, int gshift,
                         const QuantizedRows& x, const float* gsum) {
   __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, zacc = _mm512_setzero_ps();
@@ -420,6 +422,37 @@ inline float u4_row_512(const uint8_t* wr, const at::Half* sr, const at::Half* e
     tail += ws * static_cast<float>(dot);
   }
   return _mm512_reduce_add_ps(_mm512_sub_ps(_mm512_add_ps(acc[0], acc[1]), zacc)) + tail;
+}
+
+// int8's single stream, two blocks (64 weights) per step: x stays in its natural order (block b's 32 bytes fill
+// int32 lanes 0..7 of vpdpbusd's result, block b + 1's lanes 8..15), vpdpbusd wants one unsigned operand, so
+// |w| x (x with w's sign: AVX-512 has no vpsignb, a masked subtraction does it), and one FMA per pair applies x's
+// two block scales (sp2: 8 lanes each, made once per call). ~8 ops per 64 weights where i8_row takes ~16.
+void pair_scales16(const QuantizedRows& x, std::vector<float>& buf) {
+  const int64_t P = x.B / 2;
+  buf.resize(std::max<int64_t>(1, P * 16));
+  for (int64_t p = 0; p < P; ++p)
+    for (int i = 0; i < 16; ++i) buf[p * 16 + i] = x.scale[2 * p + i / 8];
+}
+
+inline float i8_row_512(const int8_t* wr, const QuantizedRows& x, const float* sp2) {
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  const __m512i zero = _mm512_setzero_si512();
+  int64_t b = 0;
+  for (int u = 0; b + 2 <= x.B; b += 2, u ^= 1) {
+    prefetch_stream(wr + b * 32 + kStreamAhead);
+    const __m512i w = _mm512_loadu_si512(wr + b * 32), xv = _mm512_loadu_si512(x.q + b * 32);
+    const __m512i xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(w), zero, xv);
+    const __m512i d = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), xs);
+    acc[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_loadu_ps(sp2 + b * 8), acc[u]);
+  }
+  float tail = 0.f;
+  if (b < x.B) {  // an odd last block
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * 32));
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * 32));
+    tail = static_cast<float>(hsum8_epi32(dot_block_i8(w, xv))) * x.scale[b];
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + tail;
 }
 #endif
 
@@ -677,9 +710,21 @@ void int8_rows_q8(const at::Tensor& x, const int8_t* w, const float* scale, cons
                   int64_t K) {
   const QuantizedRows xq = quantize_q8<T>(x);
   const int64_t M = x.size(0);
+#if LEVERLAB_QUANT_AVX512
+  static thread_local std::vector<float> sp2buf;  // the calling thread's; the workers read it through sp2
+  const bool wide = M == 1 && K > kFourRowsMaxK;
+  if (wide) pair_scales16(xq, sp2buf);
+  const float* sp2 = sp2buf.data();
+#endif
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     if (M == 1) {
       int64_t n = n0;
+#if LEVERLAB_QUANT_AVX512
+      if (wide) {
+        for (; n < n1; ++n) y[n] = static_cast<T>(i8_row_512(w + n * K, xq, sp2) * scale[n] + (bias ? bias[n] : 0.f));
+        return;
+      }
+#endif
       if (K <= kFourRowsMaxK) {  // short rows: four weight rows at a time
         float out[4];
         for (; n + 4 <= n1; n += 4) {
