@@ -1,8 +1,8 @@
 """Our own CPU kernels (csrc/), compiled on first use with the machine's C++ compiler and cached.
 
 If compilation fails (no compiler, odd platform) callers fall back to the plain-PyTorch path and the
-reason is logged once. LEVERLAB_NO_CPP_KERNELS=1 forces the fallback; LEVERLAB_NO_STREAM_PREFETCH=1 keeps the
-kernels from prefetching their weights (csrc/stream_hint.h).
+reason is logged once. LEVERLAB_NO_CPP_KERNELS=1 forces the fallback; whether the kernels prefetch their weights is
+measured per model at load (layers/prefetch_tune.py).
 """
 
 from __future__ import annotations
@@ -59,8 +59,6 @@ def kernels():
     except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path
         log.warning("CPU kernels unavailable (%s); using the PyTorch path", e)
         return None
-    if env.flag("LEVERLAB_NO_STREAM_PREFETCH"):  # A/B runs (csrc/stream_hint.h)
-        module.set_stream_prefetch(False)
     if module.has_skinny_linear():  # loading registered the op leverlab_cpu::linear_bf16 (skinny_linear.cpp)
         import torch
 

@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from leverlab.distributed.parallel_state import TPState, check_model, use_tp
 from leverlab.errors import UnsupportedLever
+from leverlab.layers import prefetch_tune
 from leverlab.layers.linear import Linear
 from leverlab.layers.parallel import VocabParallelEmbedding
 from leverlab.models.config import ModelConfig
@@ -68,6 +69,7 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.de
     finish_quantization(quantized)
     if torch.device(device).type == "cpu":
         autotune.tune(quantized)  # how many rows each layer streams before fbgemm's GEMM is faster
+        prefetch_tune.tune(model)  # whether the kernels prefetch weights non-temporally, here
     model.quant_method = method
     return model.eval()
 

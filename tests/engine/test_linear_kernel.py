@@ -50,3 +50,20 @@ def test_float32_and_autograd_keep_aten():
     assert not bf16_linear.wanted(torch.randn(1, 8), layer.weight)
     w = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
     assert not bf16_linear.wanted(torch.randn(1, 8, dtype=torch.bfloat16), w)
+
+
+def test_prefetch_is_measured_at_load_and_off_by_env(checkpoint_factory, monkeypatch):
+    """The loader times a pass over the linear layers with and without the weight prefetch and keeps the
+    faster (layers/prefetch_tune.py); LEVERLAB_NO_STREAM_PREFETCH=1 turns it off without measuring."""
+    from leverlab.layers import prefetch_tune
+    from leverlab.models.loader import load_model
+
+    kern = bf16_linear.cpu_kernels.kernels()
+    if kern is None:
+        pytest.skip("no C++ kernels here")
+    model = load_model(checkpoint_factory("qwen3"), "bfloat16")
+    choice = prefetch_tune.tune(model)
+    assert choice in (True, False) and kern.stream_prefetch() == choice
+    monkeypatch.setenv("LEVERLAB_NO_STREAM_PREFETCH", "1")
+    assert prefetch_tune.tune(model) is False and kern.stream_prefetch() is False
+    kern.set_stream_prefetch(True)  # the default, for the tests that follow

@@ -13,9 +13,10 @@
 // inside the hardware prefetcher's window (512 B..2 KB measured alike; 1 KB chosen).
 constexpr int64_t kStreamAhead = 1024;
 
-// Whether the kernels issue it: on by default; off by set_stream_prefetch(false) (LEVERLAB_NO_STREAM_PREFETCH=1),
-// for A/B runs in one process. On an AVX-512 Xeon (2 threads, Qwen3-0.6B shape, int4) decode measured the same
-// either way (1.01x), though matrices hot in its 260 MB L3 read up to 1.5x faster without it in isolation.
+// Whether the kernels issue it: on by default; set_stream_prefetch(false) turns it off, which the loader does
+// where a pass over the model's weights measures faster without (layers/prefetch_tune.py): on an Intel Xeon
+// whose L3 is a victim cache, non-temporal lines skip L3, and a model that fits there was re-read from memory
+// every step (the bundled model 1.6x slower); a model larger than the caches decoded the same either way.
 inline bool& stream_prefetch_enabled() {
   static bool on = true;
   return on;
