@@ -45,7 +45,8 @@ def tune(model: torch.nn.Module) -> bool | None:
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     if not layers or sum(_bytes(m) for m in layers) > MAX_BYTES:
         return None
-    xs = [torch.randn(1, m.in_features).to(getattr(m, "params_dtype", None) or m.weight.dtype) for m in layers]
+    dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype (a quantized layer's weight is not)
+    xs = [torch.randn(1, m.in_features, dtype=dtype) for m in layers]
 
     def one_pass() -> float:
         t = time.perf_counter()
@@ -54,12 +55,17 @@ def tune(model: torch.nn.Module) -> bool | None:
         return time.perf_counter() - t
 
     best = {True: float("inf"), False: float("inf")}
-    with torch.inference_mode():
-        one_pass()  # warm: allocations, first-call dispatch
-        for r in range(ROUNDS):
-            for on in (True, False) if r % 2 == 0 else (False, True):
-                kern.set_stream_prefetch(on)
-                best[on] = min(best[on], one_pass())
+    try:
+        with torch.inference_mode():
+            one_pass()  # warm: allocations, first-call dispatch
+            for r in range(ROUNDS):
+                for on in (True, False) if r % 2 == 0 else (False, True):
+                    kern.set_stream_prefetch(on)
+                    best[on] = min(best[on], one_pass())
+    except Exception as e:  # noqa: BLE001 - a measurement must never stop a model from loading
+        kern.set_stream_prefetch(True)
+        log.warning("weight prefetch left on: timing the layers failed (%s)", e)
+        return None
     on = not best[False] < (1 - MARGIN) * best[True]
     kern.set_stream_prefetch(on)
     log.info("weight prefetch %s: a pass over the linear layers took %.2f ms with it, %.2f ms without",
