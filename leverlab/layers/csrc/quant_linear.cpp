@@ -355,16 +355,21 @@ inline void u4_rows(const uint8_t* w, int64_t K, const at::Half* ss, const at::H
 // in four lanes; its scale, x's block scale times the row's group scale, is one vector per quad (x.sp holds x's,
 // the group scales sit 16 to a register and are picked by one vpermps). Against the 256-bit pairs above: ~12
 // ops per 128 weights where those take ~28.
+// quad_row sets x.q4 and x.sp (block b's scale in lanes 4b .. 4b + 3, as pair_rows lays it out) for one row.
 void quad_row(QuantizedRows& x) {
   static thread_local std::vector<int8_t> buf;
+  static thread_local std::vector<float> sbuf;
   const int64_t Q = x.B / 4;
   int8_t* o = scratch(buf, std::max<int64_t>(1, Q * 128));
+  float* sp = scratch(sbuf, std::max<int64_t>(1, Q * 16));
   for (int64_t q = 0; q < Q; ++q)
     for (int j = 0; j < 4; ++j) {
       std::memcpy(o + q * 128 + j * 16, x.q + (4 * q + j) * 32, 16);
       std::memcpy(o + q * 128 + 64 + j * 16, x.q + (4 * q + j) * 32 + 16, 16);
+      std::fill(sp + (4 * q + j) * 4, sp + (4 * q + j) * 4 + 4, x.scale[4 * q + j]);
     }
   x.q4 = o;
+  x.sp = sp;
 }
 
 // Row sr's scales and zero points ([2G] fp16), groups 16c .. 16c + 15, as scale_chunk does for 8.
@@ -409,16 +414,13 @@ inline float u4_row_512(const uint8_t* wr, const at::Half* sr, const at::Half* e
       blk = _mm512_add_epi32(blk, _mm512_set1_epi32(4));
     }
   }
-  float tail = 0.f;  // blocks 4Q .. B (K / 32 not a multiple of 4), in x's pair order
+  float tail = 0.f;  // blocks 4Q .. B (K / 32 not a multiple of 4), x in its natural order
   for (int64_t b = 4 * Q; b < x.B; ++b) {
     const float ws = static_cast<float>(sr[b >> gshift]) * x.scale[b];
-    // block b's elements 0..15 and 16..31 in the pair layout: a pair (b even, b + 1 < B) interleaves halves
-    const bool paired = b < (x.B & ~int64_t(1));
-    const int8_t* xb_lo = paired ? x.qp + (b & ~int64_t(1)) * 32 + (b & 1) * 16 : x.qp + b * 32;
-    const int8_t* xb_hi = paired ? xb_lo + 32 : xb_lo + 16;
+    const int8_t* xb = x.q + b * 32;
     int32_t dot = 0;
     for (int i = 0; i < 16; ++i)
-      dot += static_cast<int32_t>(wr[b * 16 + i] & 15) * xb_lo[i] + static_cast<int32_t>(wr[b * 16 + i] >> 4) * xb_hi[i];
+      dot += static_cast<int32_t>(wr[b * 16 + i] & 15) * xb[i] + static_cast<int32_t>(wr[b * 16 + i] >> 4) * xb[16 + i];
     tail += ws * static_cast<float>(dot);
   }
   return _mm512_reduce_add_ps(_mm512_sub_ps(_mm512_add_ps(acc[0], acc[1]), zacc)) + tail;
@@ -801,24 +803,26 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
   static thread_local std::vector<float> gbuf;
   QuantizedRows xq = quantize_q8<T>(x);
   const int64_t M = x.size(0), G = K / g, bpg = g / 32;
-  pair_rows(xq, M);
   const int gshift = __builtin_ctzll(bpg);  // the caller checked that bpg is a power of two
-  // Per group, the sum of the quantized x: [M][G8] (gsum; G rounded up to 16, zero past G, so that 8 or 16 groups
+  // Per group, the sum of the quantized x: [M][G16] (gsum; G rounded up to 16, zero past G, so that 8 or 16 groups
   // are one vector), and transposed [G][M4] (M rounded up to 4, zero past M) so that a tile's 4 rows are one vector.
-  const int64_t M4 = (M + 3) / 4 * 4, G8 = (G + 15) / 16 * 16;
-  float* gsum = scratch(gbuf, M * G8 + G * M4);
-  float* gsum_t = gsum + M * G8;
-  std::fill(gsum, gsum + M * G8 + G * M4, 0.f);
+  const int64_t M4 = (M + 3) / 4 * 4, G16 = (G + 15) / 16 * 16;
+  float* gsum = scratch(gbuf, M * G16 + G * M4);
+  float* gsum_t = gsum + M * G16;
+  std::fill(gsum, gsum + M * G16 + G * M4, 0.f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < G; ++j) {
       float acc = 0.f;
       for (int64_t b = j * bpg; b < (j + 1) * bpg; ++b) acc += xq.scale[m * xq.B + b] * static_cast<float>(xq.sum[m * xq.B + b]);
-      gsum[m * G8 + j] = gsum_t[j * M4 + m] = acc;
+      gsum[m * G16 + j] = gsum_t[j * M4 + m] = acc;
     }
+  // x in the order the kernels below read it: quads (AVX-512, one long row), else pairs
+  bool wide = false;
 #if LEVERLAB_QUANT_AVX512
-  const bool wide = M == 1 && K > kFourRowsMaxK;
+  wide = M == 1 && K > kFourRowsMaxK;
   if (wide) quad_row(xq);
 #endif
+  if (!wide) pair_rows(xq, M);
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     if (M == 1) {
       auto emit = [&](int64_t n, float v) { y[n] = static_cast<T>(v + (bias ? bias[n] : 0.f)); };
