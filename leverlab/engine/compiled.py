@@ -26,6 +26,10 @@ def compile_forward(model: torch.nn.Module, config: EngineConfig):
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     import torch._inductor.config as inductor_config
 
+    from leverlab.layers import bf16_linear
+
+    torch.compiler.assume_constant_result(bf16_linear.available)  # marks the function itself (layers/bf16_linear.py)
+
     # Set globally: passing {"freezing": True} through torch.compile's options is silently ignored.
     inductor_config.freezing = True
     inductor_config.fx_graph_cache = True

@@ -24,7 +24,9 @@ from leverlab.layers import cpu_kernels
 _AVAILABLE: bool | None = None
 
 
-@torch.compiler.assume_constant_result  # a compiled graph takes the answer as a constant, never traces the build
+# A compiled graph takes available()'s answer as a constant and never traces the build: compiled.py marks it
+# (torch.compiler.assume_constant_result) when it compiles. Not here, at import: that decorator imports
+# torch._dynamo, 1.4 s of every start in eager mode (a server start, each study configuration's).
 def available() -> bool:
     """Whether the kernel can run here; LEVERLAB_NO_SKINNY_LINEAR=1 keeps aten's linear (for A/B runs)."""
     global _AVAILABLE

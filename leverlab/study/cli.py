@@ -67,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--fidelity",
         default="auto",
         choices=("auto", "inprocess", "http"),
-        help="how to collect fidelity: auto = in-process for LeverLab (exact ids, prompt logprobs), else HTTP",
+        help="how to collect fidelity: auto = HTTP from each configuration's server (speculative LeverLab steps add a "
+        "float32 exactness pair in-process); inprocess = all of it through the Python API (LeverLab only)",
     )
     p.add_argument("--bandwidth", type=float, default=None, help="GB/s (skip measuring it)")
     p.add_argument("--quiet", action="store_true", help="no per-request progress bars")

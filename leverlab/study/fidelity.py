@@ -12,12 +12,16 @@ distributions is a lower bound of the true KL (merging outcomes never increases 
 of an 8k vocabulary it catches every change that moves the likely tokens; it is reported as a lower bound.
 
 Two ways to collect (the report says which was used):
-  in-process  LeverLab configurations: the Python API (LLM) with the configuration's levers, eager mode,
-              exact token ids and prompt logprobs (our server does not return prompt logprobs yet);
-  http        any engine: /v1/completions with logprobs (generated tokens as strings) and vLLM's
-              `prompt_logprobs` extension when the server honours it (else perplexity/KL are n/a).
+  http        any engine, LeverLab's by default: /v1/completions from the configuration's running server, with
+              logprobs (token ids where the server returns them as `token_id:N`, as ours and vLLM's do; else
+              token strings) and vLLM's `prompt_logprobs` extension when the server honours it (else
+              perplexity/KL are n/a). Through our server the ids and prompt logprobs equal the in-process
+              collection's (checked on the bundled model, session 9), without a process and a model load per
+              configuration.
+  in-process  `--fidelity inprocess`: the Python API (LLM) with the configuration's levers, eager mode.
 Speculative configurations are also checked for exactness: speculation on and off, both in float32, must
-give identical greedy tokens; anything else is a bug and is flagged.
+give identical greedy tokens; anything else is a bug and is flagged. That pair always runs in-process
+(a float32 model of its own, spec on and off).
 """
 
 from __future__ import annotations
@@ -138,11 +142,12 @@ def exactness(
 
 
 def inprocess_spec(
-    model: str, levers: dict[str, Any], prompts: list[dict], tokens: int, exactness: bool = True
+    model: str, levers: dict[str, Any], prompts: list[dict], tokens: int, exactness: bool = True,
+    served: bool = True,
 ) -> dict[str, Any]:
-    """The worker's input: the served run (with prompt logprobs), plus a float32 spec-on/spec-off pair for
-    speculative configurations (greedy only) unless exactness=False."""
-    runs = [{"name": "served", "levers": levers, "prompt_logprobs": True}]
+    """The worker's input: the served run (with prompt logprobs; served=False: collected elsewhere, over HTTP),
+    plus a float32 spec-on/spec-off pair for speculative configurations (greedy only) unless exactness=False."""
+    runs = [{"name": "served", "levers": levers, "prompt_logprobs": True}] if served else []
     if levers.get("speculative") and exactness:
         f32 = {**levers, "dtype": "float32"}
         runs.append({"name": "spec_f32", "levers": f32, "prompt_logprobs": False})
@@ -158,11 +163,12 @@ def collect_inprocess(
     workdir: Path,
     timeout: float = 900,
     exactness: bool = True,
+    served: bool = True,
 ) -> dict[str, Any]:
     """Runs the worker in a subprocess (a crash or a refused lever cannot take the study down)."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path, out_path = workdir / "fidelity-spec.json", workdir / "fidelity-samples.json"
-    spec_path.write_text(json.dumps(inprocess_spec(model, levers, prompts, tokens, exactness)))
+    spec_path.write_text(json.dumps(inprocess_spec(model, levers, prompts, tokens, exactness, served)))
     log_path = workdir / "fidelity.log"
     with open(log_path, "w") as log:
         rc = subprocess.run(
@@ -226,8 +232,8 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         result["runs"][run["name"]] = {"samples": samples, "seconds": time.perf_counter() - t0}
         llm.engine.close()  # tensor parallel: stop its workers before the next run starts its own
         del llm
-    served = result["runs"]["served"]
-    result["samples"] = served["samples"]
+    if "served" in result["runs"]:
+        result["samples"] = result["runs"]["served"]["samples"]
     if "spec_f32" in result["runs"]:
         result["exactness"] = exactness(
             [s["output"] for s in result["runs"]["spec_f32"]["samples"]],
@@ -276,7 +282,8 @@ def collect_http(
             choice = r.json()["choices"][0]
             lp = choice.get("logprobs") or {}
             if lp.get("tokens"):
-                out = list(lp["tokens"])
+                # "token_id:N" (return_tokens_as_token_ids) -> "N", as the in-process collection writes ids
+                out = [t[len("token_id:"):] if t.startswith("token_id:") else t for t in lp["tokens"]]
             else:  # a server without per-token logprobs: compare characters
                 out, unit = list(choice.get("text", "")), "characters"
             s: dict[str, Any] = {"id": p["id"], "output": out}

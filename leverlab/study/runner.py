@@ -210,21 +210,30 @@ def run_config(
         rec["log_tail"] = _tail(cfg_dir / "server.log")
     else:
         rec["status"] = "done"
-    if engine.fidelity_mode == "inprocess" and rec["status"] == "done":
-        progress.say("  fidelity pass (in-process)")
+    # In-process: the whole fidelity pass (--fidelity inprocess), or only the float32 exactness pair of a
+    # speculative step when its served outputs came over HTTP (our engine's default).
+    served_inprocess = engine.fidelity_mode == "inprocess"
+    pair = engine.inprocess_exactness and step.levers.speculative is not None and plan.checks_exactness(step)
+    if rec["status"] == "done" and (served_inprocess or pair):
+        progress.say("  fidelity pass (in-process)" if served_inprocess else "  exactness pair (float32, in-process)")
         try:
             from leverlab.study.engines.base import served_model
             from leverlab.study.fidelity import collect_inprocess
 
-            fid = collect_inprocess(
+            got = collect_inprocess(
                 served_model(model, step.levers),
                 asdict(step.levers),
                 fid_prompts,
                 plan.fidelity_tokens,
                 cfg_dir,
                 exactness=plan.checks_exactness(step),
+                served=served_inprocess,
             )
-            rec["fidelity_source"] = fid.get("source")
+            if served_inprocess:
+                fid = got
+                rec["fidelity_source"] = fid.get("source")
+            elif fid is not None:
+                fid = {**fid, "exactness": got.get("exactness"), "exactness_runs": got.get("runs")}
         except Exception as e:  # noqa: BLE001
             rec["fidelity_error"] = str(e)[-2000:]
             progress.say(f"  [red]fidelity failed[/red]: {str(e).splitlines()[0]}")

@@ -22,7 +22,7 @@ TEXTS = [
 ]
 
 # ~25 s on the 2 shared cores when they are quiet (60 s and more under contention): two server starts, the
-# harness, three in-process fidelity runs, Chromium. Not marked slow: it is the study's one end-to-end test.
+# harness, fidelity over HTTP and the n-gram step's float32 pair in-process, Chromium. Not marked slow: it is the study's one end-to-end test.
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
 

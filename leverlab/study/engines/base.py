@@ -98,6 +98,9 @@ class Engine:
     # "inprocess": fidelity through the Python API (exact token ids, prompt logprobs);
     # "http": through the server's completions endpoint (any engine).
     fidelity_mode = "http"
+    # Whether speculative steps also get the float32 spec-on/spec-off exactness pair through our Python API
+    # (LeverLab only: another engine's speculation cannot be run in float32 here).
+    inprocess_exactness = False
 
     def installed(self) -> str | None:
         """None when the engine can run here, else why not ("not installed: ...")."""

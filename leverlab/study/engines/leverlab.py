@@ -27,7 +27,8 @@ def resolve(path: str) -> Path | None:
 
 class LeverLabEngine(Engine):
     name = "leverlab"
-    fidelity_mode = "inprocess"
+    fidelity_mode = "http"  # from the configuration's own server: no model load per configuration
+    inprocess_exactness = True  # speculative steps: a float32 spec-on/spec-off pair through the Python API
 
     def __init__(self, execution_mode: str = "eager", max_num_batched_tokens: int | None = None, **_):
         self.execution_mode = execution_mode
