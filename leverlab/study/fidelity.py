@@ -21,7 +21,8 @@ Two ways to collect (the report says which was used):
   in-process  `--fidelity inprocess`: the Python API (LLM) with the configuration's levers, eager mode.
 Speculative configurations are also checked for exactness: speculation on and off, both in float32, must
 give identical greedy tokens; anything else is a bug and is flagged. That pair always runs in-process
-(a float32 model of its own, spec on and off).
+(a float32 model of its own, spec on and off): with HTTP fidelity, once the study's servers are done, every
+speculative configuration's pair in one worker process (collect_exactness).
 """
 
 from __future__ import annotations
@@ -142,12 +143,11 @@ def exactness(
 
 
 def inprocess_spec(
-    model: str, levers: dict[str, Any], prompts: list[dict], tokens: int, exactness: bool = True,
-    served: bool = True,
+    model: str, levers: dict[str, Any], prompts: list[dict], tokens: int, exactness: bool = True
 ) -> dict[str, Any]:
-    """The worker's input: the served run (with prompt logprobs; served=False: collected elsewhere, over HTTP),
-    plus a float32 spec-on/spec-off pair for speculative configurations (greedy only) unless exactness=False."""
-    runs = [{"name": "served", "levers": levers, "prompt_logprobs": True}] if served else []
+    """The worker's input: the served run (with prompt logprobs), plus a float32 spec-on/spec-off pair for
+    speculative configurations (greedy only) unless exactness=False."""
+    runs = [{"name": "served", "levers": levers, "prompt_logprobs": True}]
     if levers.get("speculative") and exactness:
         f32 = {**levers, "dtype": "float32"}
         runs.append({"name": "spec_f32", "levers": f32, "prompt_logprobs": False})
@@ -163,12 +163,11 @@ def collect_inprocess(
     workdir: Path,
     timeout: float = 900,
     exactness: bool = True,
-    served: bool = True,
 ) -> dict[str, Any]:
     """Runs the worker in a subprocess (a crash or a refused lever cannot take the study down)."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path, out_path = workdir / "fidelity-spec.json", workdir / "fidelity-samples.json"
-    spec_path.write_text(json.dumps(inprocess_spec(model, levers, prompts, tokens, exactness, served)))
+    spec_path.write_text(json.dumps(inprocess_spec(model, levers, prompts, tokens, exactness)))
     log_path = workdir / "fidelity.log"
     with open(log_path, "w") as log:
         rc = subprocess.run(
@@ -201,9 +200,34 @@ def _engine_kwargs(lv: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _worker(spec: dict[str, Any]) -> dict[str, Any]:
+def _run(model: str, levers: dict[str, Any], prompts: list[dict], tokens: int, prompt_logprobs: bool) -> dict:
+    """One configuration through the Python API: greedy samples (and prompt logprobs), and the seconds taken."""
     from leverlab import LLM, SamplingParams
 
+    t0 = time.perf_counter()
+    llm = LLM(model, **_engine_kwargs(levers))
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=tokens,
+        ignore_eos=True,
+        prompt_logprobs=PROMPT_LOGPROBS_K if prompt_logprobs else None,
+    )
+    outs = llm.generate([p["text"] for p in prompts], params)
+    samples = []
+    for p, o in zip(prompts, outs):
+        s: dict[str, Any] = {"id": p["id"], "output": [str(t) for t in o.outputs[0].token_ids]}
+        if prompt_logprobs and o.prompt_logprobs is not None:
+            s["prompt_tokens"] = [str(t) for t in o.prompt_token_ids]
+            s["prompt_logprobs"] = [
+                None if d is None else {str(k): float(v) for k, v in d.items()} for d in o.prompt_logprobs
+            ]
+        samples.append(s)
+    llm.engine.close()  # tensor parallel: stop its workers before the next run starts its own
+    del llm
+    return {"samples": samples, "seconds": time.perf_counter() - t0}
+
+
+def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     prompts = spec["prompts"]
     result: dict[str, Any] = {
         "source": "in-process (LeverLab Python API, eager)",
@@ -211,35 +235,62 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         "runs": {},
     }
     for run in spec["runs"]:
-        t0 = time.perf_counter()
-        llm = LLM(spec["model"], **_engine_kwargs(run["levers"]))
-        params = SamplingParams(
-            temperature=0,
-            max_tokens=spec["tokens"],
-            ignore_eos=True,
-            prompt_logprobs=PROMPT_LOGPROBS_K if run["prompt_logprobs"] else None,
-        )
-        outs = llm.generate([p["text"] for p in prompts], params)
-        samples = []
-        for p, o in zip(prompts, outs):
-            s: dict[str, Any] = {"id": p["id"], "output": [str(t) for t in o.outputs[0].token_ids]}
-            if run["prompt_logprobs"] and o.prompt_logprobs is not None:
-                s["prompt_tokens"] = [str(t) for t in o.prompt_token_ids]
-                s["prompt_logprobs"] = [
-                    None if d is None else {str(k): float(v) for k, v in d.items()} for d in o.prompt_logprobs
-                ]
-            samples.append(s)
-        result["runs"][run["name"]] = {"samples": samples, "seconds": time.perf_counter() - t0}
-        llm.engine.close()  # tensor parallel: stop its workers before the next run starts its own
-        del llm
-    if "served" in result["runs"]:
-        result["samples"] = result["runs"]["served"]["samples"]
+        result["runs"][run["name"]] = _run(spec["model"], run["levers"], prompts, spec["tokens"], run["prompt_logprobs"])
+    result["samples"] = result["runs"]["served"]["samples"]
     if "spec_f32" in result["runs"]:
         result["exactness"] = exactness(
             [s["output"] for s in result["runs"]["spec_f32"]["samples"]],
             [s["output"] for s in result["runs"]["plain_f32"]["samples"]],
         )
     return result
+
+
+# ---- exactness of several speculative configurations, in one process ----------------------------------------
+
+
+def collect_exactness(jobs: list[dict[str, Any]], workdir: Path, timeout: float = 1800) -> dict[str, dict]:
+    """The float32 spec-on/spec-off pairs of several configurations (jobs: name, model, levers, prompts, tokens)
+    in one worker process, after their servers have run: one interpreter start and torch import for all of
+    them, and one plain run for configurations that differ only in their speculation (a study's int8 + n-gram,
+    + adaptive n-gram, + draft and + EAGLE share theirs). Returns {name: {"exactness": ...} or {"error": ...}}."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path, out_path = workdir / "exactness-spec.json", workdir / "exactness.json"
+    spec_path.write_text(json.dumps({"jobs": jobs}))
+    log_path = workdir / "exactness.log"
+    with open(log_path, "w") as log:
+        rc = subprocess.run(
+            [sys.executable, "-m", "leverlab.study.fidelity", "--exactness", str(spec_path), str(out_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+        ).returncode
+    if rc != 0 or not out_path.is_file():
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+        raise RuntimeError(f"exactness worker exited with {rc}:\n{tail}")
+    return json.loads(out_path.read_text())
+
+
+def _exactness_worker(spec: dict[str, Any]) -> dict[str, dict]:
+    plain_runs: dict[str, dict] = {}  # by the plain configuration's levers
+    out: dict[str, dict] = {}
+    for job in spec["jobs"]:
+        f32 = {**job["levers"], "dtype": "float32"}
+        plain = {**f32, "speculative": None}
+        key = json.dumps([job["model"], plain], sort_keys=True)
+        try:
+            on = _run(job["model"], f32, job["prompts"], job["tokens"], False)
+            reused = key in plain_runs
+            if not reused:
+                plain_runs[key] = _run(job["model"], plain, job["prompts"], job["tokens"], False)
+            off = plain_runs[key]
+            out[job["name"]] = {
+                "exactness": exactness([s["output"] for s in on["samples"]], [s["output"] for s in off["samples"]]),
+                "seconds": on["seconds"],
+                "plain_reused": reused,
+            }
+        except Exception as e:  # noqa: BLE001 - one configuration's failure is its own, the others still run
+            out[job["name"]] = {"error": f"{type(e).__name__}: {e}"}
+    return out
 
 
 # ---- collection: HTTP (any engine) -----------------------------------------------------------------------
@@ -321,8 +372,11 @@ def _vllm_prompt_logprobs(plp: list, choice: dict) -> tuple[list, list]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    work = _worker
+    if argv and argv[0] == "--exactness":
+        work, argv = _exactness_worker, argv[1:]
     spec = json.loads(Path(argv[0]).read_text())
-    Path(argv[1]).write_text(json.dumps(_worker(spec)))
+    Path(argv[1]).write_text(json.dumps(work(spec)))
     return 0
 
 

@@ -210,43 +210,76 @@ def run_config(
         rec["log_tail"] = _tail(cfg_dir / "server.log")
     else:
         rec["status"] = "done"
-    # In-process: the whole fidelity pass (--fidelity inprocess), or only the float32 exactness pair of a
-    # speculative step when its served outputs came over HTTP (our engine's default).
-    served_inprocess = engine.fidelity_mode == "inprocess"
-    pair = engine.inprocess_exactness and step.levers.speculative is not None and plan.checks_exactness(step)
-    if rec["status"] == "done" and (served_inprocess or pair):
-        progress.say("  fidelity pass (in-process)" if served_inprocess else "  exactness pair (float32, in-process)")
+    # In-process: the whole fidelity pass (--fidelity inprocess), its own float32 exactness pair included. With
+    # HTTP fidelity a speculative step's pair runs after the last server (exactness_pass).
+    if engine.fidelity_mode == "inprocess" and rec["status"] == "done":
+        progress.say("  fidelity pass (in-process)")
         try:
             from leverlab.study.engines.base import served_model
             from leverlab.study.fidelity import collect_inprocess
 
-            got = collect_inprocess(
+            fid = collect_inprocess(
                 served_model(model, step.levers),
                 asdict(step.levers),
                 fid_prompts,
                 plan.fidelity_tokens,
                 cfg_dir,
                 exactness=plan.checks_exactness(step),
-                served=served_inprocess,
             )
-            if served_inprocess:
-                fid = got
-                rec["fidelity_source"] = fid.get("source")
-            elif fid is not None:
-                fid = {**fid, "exactness": got.get("exactness"), "exactness_runs": got.get("runs")}
+            rec["fidelity_source"] = fid.get("source")
         except Exception as e:  # noqa: BLE001
             rec["fidelity_error"] = str(e)[-2000:]
             progress.say(f"  [red]fidelity failed[/red]: {str(e).splitlines()[0]}")
     if fid is not None:
         (cfg_dir / "fidelity-samples.json").write_text(json.dumps(fid))
-        ex = fid.get("exactness")
-        if ex is not None and not ex["exact"]:
-            progress.say(
-                f"  [bold red]BUG[/bold red]: speculation changed greedy tokens ({ex['share_identical']:.0%} identical)"
-            )
+        _say_exactness(progress, fid.get("exactness"))
     rec["duration_s"] = time.monotonic() - t0
     rec["load_end"] = _load()
     progress.say(f"  {rec['status']} in {_mmss(rec['duration_s'])}")
+
+
+def _say_exactness(progress: StudyProgress, ex: dict | None, name: str = "") -> None:
+    if ex is not None and not ex["exact"]:
+        progress.say(f"  [bold red]BUG[/bold red]: {name + ': ' if name else ''}speculation changed greedy tokens "
+                     f"({ex['share_identical']:.0%} identical)")
+
+
+def exactness_pass(steps: list[Step], plan: Plan, engine: Engine, model: str, out_dir: Path, state: StudyState,
+                   progress: StudyProgress, fid_prompts: list[dict]) -> None:
+    """The float32 spec-on/spec-off pair of every measured speculative step whose fidelity came over HTTP and
+    has no exactness yet (a resumed study's too), all in one worker process (fidelity.collect_exactness)."""
+    if not engine.inprocess_exactness or engine.fidelity_mode != "http":
+        return
+    from leverlab.study.engines.base import served_model
+    from leverlab.study.fidelity import collect_exactness
+
+    todo = {}
+    for step in steps:
+        path = out_dir / step.name / "fidelity-samples.json"
+        if (state.config(step.name).get("status") == "done" and step.levers.speculative is not None
+                and plan.checks_exactness(step) and path.is_file()
+                and "exactness" not in json.loads(path.read_text())):
+            todo[step.name] = {"name": step.name, "model": served_model(model, step.levers),
+                               "levers": asdict(step.levers), "prompts": fid_prompts, "tokens": plan.fidelity_tokens}
+    if not todo:
+        return
+    progress.say(f"exactness of speculation (float32, on against off, in-process): {', '.join(todo)}")
+    t0 = time.monotonic()
+    try:
+        got = collect_exactness(list(todo.values()), out_dir / "exactness")
+    except Exception as e:  # noqa: BLE001 - recorded per configuration, never dropped
+        got = {name: {"error": str(e)[-2000:]} for name in todo}
+    for name in todo:
+        rec, res = state.config(name), got.get(name) or {"error": "no result from the exactness worker"}
+        if "error" in res:
+            rec["fidelity_error"] = f"exactness: {res['error']}"
+            progress.say(f"  [red]exactness failed[/red] ({name}): {res['error'].splitlines()[0]}")
+            continue
+        path = out_dir / name / "fidelity-samples.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "exactness": res["exactness"]}))
+        _say_exactness(progress, res["exactness"], name)
+    state.data["exactness_s"] = time.monotonic() - t0
+    state.save()
 
 
 def _fidelity_http(engine, base_url, step, plan, prompts, cfg_dir, rec) -> dict[str, Any] | None:
@@ -364,6 +397,7 @@ def run_study(
         if rec.get("status") == "done":
             progress.durations.append(rec.get("duration_s", 0.0))
         state.save()
+    exactness_pass(steps, plan, engine, model, out_dir, state, progress, fid_prompts)
     state.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     # Cumulative over resumed runs: the time the study's measurements took, not the last session's.
     state.data["elapsed_s"] = state.data.get("elapsed_s", 0.0) + (time.monotonic() - progress.t0 - setup_s)

@@ -153,3 +153,23 @@ def test_collect_http_without_prompt_logprobs_says_so():
         )
         assert res["samples"][0]["output"] == ["a", "b"] and "prompt_logprobs" not in res["samples"][0]
         assert "no prompt_logprobs" in res["logprobs_note"]
+
+
+def test_exactness_pairs_run_in_one_worker_and_share_the_plain_run(checkpoint_factory, tmp_path):
+    """The study's end-of-run pass: several speculative configurations' float32 pairs in one process; two that
+    differ only in their speculation share one plain run; a broken one fails alone."""
+    from leverlab.study.fidelity import collect_exactness
+
+    ckpt = checkpoint_factory("qwen3")
+    base = {"dtype": "bfloat16", "quantization": None, "kv_cache_dtype": "auto", "prefix_caching": True,
+            "tensor_parallel_size": 1, "max_num_seqs": 8}
+    prompts = [{"id": "a", "text": "def f(x):\n    return x\ndef f(x):\n    return"}]
+    jobs = [
+        {"name": "k3", "model": ckpt, "levers": {**base, "speculative": {"method": "ngram", "num_speculative_tokens": 3}}},
+        {"name": "k2", "model": ckpt, "levers": {**base, "speculative": {"method": "ngram", "num_speculative_tokens": 2}}},
+        {"name": "bad", "model": ckpt, "levers": {**base, "speculative": {"method": "no-such-method"}}},
+    ]
+    got = collect_exactness([{**j, "prompts": prompts, "tokens": 12} for j in jobs], tmp_path)
+    assert got["k3"]["exactness"]["exact"] is True and got["k3"]["plain_reused"] is False
+    assert got["k2"]["exactness"]["exact"] is True and got["k2"]["plain_reused"] is True
+    assert "no-such-method" in got["bad"]["error"]
