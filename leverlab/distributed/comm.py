@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from leverlab.custom_op import custom_op
 from leverlab.distributed.parallel_state import TPState
 
 GROUPS: dict[int, object] = {}  # group id -> torch.distributed process group (the compute group)
@@ -44,7 +45,7 @@ class CommStats:
 STATS = CommStats()
 
 
-@torch.library.custom_op("leverlab::tp_all_reduce", mutates_args=())
+@custom_op("leverlab::tp_all_reduce")
 def tp_all_reduce(x: torch.Tensor, group_id: int) -> torch.Tensor:
     """Sum of x over the ranks of group `group_id` (every rank gets it)."""
     out = x.contiguous().clone()

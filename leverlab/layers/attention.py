@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from leverlab.custom_op import custom_op
 from leverlab.layers import cpu_kernels
 from leverlab.quant import kv_cache as kv_quant
 
@@ -67,7 +68,7 @@ def forward_context(meta: AttentionMetadata, kv_caches: list[torch.Tensor],
         _CONTEXT = None
 
 
-@torch.library.custom_op("leverlab::paged_attention", mutates_args=())
+@custom_op("leverlab::paged_attention")
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
                     window: int = 0) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] for this step's new tokens -> [T, H, D]; writes k/v into layer's cache.

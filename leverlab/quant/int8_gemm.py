@@ -20,6 +20,8 @@ import weakref
 
 import torch
 
+from leverlab.custom_op import custom_op
+
 AVAILABLE = "fbgemm" in torch.backends.quantized.supported_engines
 
 
@@ -59,7 +61,7 @@ def unpack(key: int) -> tuple[torch.Tensor, torch.Tensor]:
     return qt.int_repr(), qt.q_per_channel_scales().float()
 
 
-@torch.library.custom_op("leverlab::int8_linear", mutates_args=())
+@custom_op("leverlab::int8_linear")
 def int8_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
     """x [M, K] (any float dtype) -> x W^T [M, N] in x's dtype, activations quantized per row."""
     xf = x.float()

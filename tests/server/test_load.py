@@ -67,7 +67,9 @@ def test_64_concurrent_streams_complete_or_get_clean_503(small_server):
         async with httpx.AsyncClient(base_url=small_server.url, timeout=120, limits=limits) as client:
             watcher = asyncio.create_task(watch(client))
             try:
-                return await asyncio.gather(*(_one_stream(client, i, 48) for i in range(64)))
+                # 256 tokens each: the admitted requests must still be running while the watcher looks (at 48
+                # the tiny model finished the burst before its first /metrics answer; session 9).
+                return await asyncio.gather(*(_one_stream(client, i, 256) for i in range(64)))
             finally:
                 watcher.cancel()
 
