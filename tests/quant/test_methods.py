@@ -172,3 +172,29 @@ def test_autotune_times_both_kernels_and_either_gives_the_weight(name, monkeypat
     monkeypatch.setenv("LEVERLAB_STREAM_ROWS", "2")
     autotune.tune([layer])
     assert layer.stream_rows == 2 and autotune.fused_rows([layer], 1) == 2
+
+
+
+@pytest.mark.parametrize("k,g", [(256, 64), (384, 64), (352, 32), (1024, 128), (512, 32)])
+def test_int4_streaming_kernel_paths_agree(k, g):
+    """Every row count the streaming int4 kernel takes (1..16: the single stream, the AVX2 pairs, the AVX-512
+    quads), block counts odd, even and not a multiple of 4, an odd number of weight rows: each output row equals
+    the single stream's for that row alone (the same quantized arithmetic, summed in another order: at most one
+    bf16 step apart), and the single stream is the dequantized weight's product to within the activations'
+    quantization."""
+    from leverlab.layers import cpu_kernels
+    from leverlab.quant.int4 import dequantize_streaming, pack_int4_streaming, quantize_int4
+
+    kern = cpu_kernels.kernels()
+    if kern is None:
+        pytest.skip("no C++ kernels here")
+    torch.manual_seed(k + g)
+    packed, ss = pack_int4_streaming(*quantize_int4(torch.randn(73, k) * 0.05, g), g)
+    w = dequantize_streaming(packed, ss)
+    for m in (2, 3, 4, 5, 8, 13, 16):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        y = kern.int4_linear(x, packed, ss, g, None).float()
+        one = torch.cat([kern.int4_linear(x[i : i + 1], packed, ss, g, None) for i in range(m)]).float()
+        assert ((y - one).abs() <= one.abs() * 2**-7 + 1e-6).all(), (m, (y - one).abs().max().item())
+        ref = x.float() @ w.T
+        assert (one - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
