@@ -198,3 +198,26 @@ def test_int4_streaming_kernel_paths_agree(k, g):
         assert ((y - one).abs() <= one.abs() * 2**-7 + 1e-6).all(), (m, (y - one).abs().max().item())
         ref = x.float() @ w.T
         assert (one - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("k", [256, 352, 384, 1024])
+def test_int8_streaming_kernel_paths_agree(k):
+    """As the int4 test above, for int8 with quantized activations: the tiles (AVX2, or AVX-512 VNNI where the
+    block count is even) agree row by row with the single stream, which is the dequantized weight's product to
+    within the activations' quantization."""
+    from leverlab.layers import cpu_kernels
+    from leverlab.quant.int8 import quantize_int8
+
+    kern = cpu_kernels.kernels()
+    if kern is None:
+        pytest.skip("no C++ kernels here")
+    torch.manual_seed(k)
+    q, s = quantize_int8(torch.randn(73, k) * 0.05)
+    w = q.float() * s[:, None]
+    for m in (2, 3, 4, 5, 8, 13, 16):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        y = kern.int8_linear(x, q, s, None, True).float()
+        one = torch.cat([kern.int8_linear(x[i : i + 1], q, s, None, True) for i in range(m)]).float()
+        assert ((y - one).abs() <= one.abs() * 2**-7 + 1e-6).all(), (m, (y - one).abs().max().item())
+        ref = x.float() @ w.T
+        assert (one - ref).abs().max().item() < 2e-2 * ref.abs().max().item()

@@ -430,11 +430,12 @@ inline float u4_row_512(const uint8_t* wr, const at::Half* sr, const at::Half* e
 // int32 lanes 0..7 of vpdpbusd's result, block b + 1's lanes 8..15), vpdpbusd wants one unsigned operand, so
 // |w| x (x with w's sign: AVX-512 has no vpsignb, a masked subtraction does it), and one FMA per pair applies x's
 // two block scales (sp2: 8 lanes each, made once per call). ~8 ops per 64 weights where i8_row takes ~16.
-void pair_scales16(const QuantizedRows& x, std::vector<float>& buf) {
+void pair_scales16(const QuantizedRows& x, std::vector<float>& buf, int64_t M = 1) {  // row m's at m P 16
   const int64_t P = x.B / 2;
-  buf.resize(std::max<int64_t>(1, P * 16));
-  for (int64_t p = 0; p < P; ++p)
-    for (int i = 0; i < 16; ++i) buf[p * 16 + i] = x.scale[2 * p + i / 8];
+  buf.resize(std::max<int64_t>(1, M * P * 16));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t p = 0; p < P; ++p)
+      for (int i = 0; i < 16; ++i) buf[(m * P + p) * 16 + i] = x.scale[m * x.B + 2 * p + i / 8];
 }
 
 inline float i8_row_512(const int8_t* wr, const QuantizedRows& x, const float* sp2) {
@@ -669,6 +670,50 @@ inline void u4_tile_512(const uint8_t* w, int64_t K, const float* wsb, const Qua
 }
 #endif
 
+#if LEVERLAB_QUANT_AVX512
+// i8_tile on AVX-512 VNNI, two blocks per step as i8_row_512: a weight pair's |w| and sign mask are made once for
+// the tile's MG activation rows; per (weight row, activation row) one masked subtraction (x with w's sign), one
+// vpdpbusd, a conversion and an FMA with x's two block scales (sp2: row m's at sp2 + m (B / 2) 16). B even.
+// Against the 256-bit tile (~5 ops per 32 weights and pair of rows): ~4 per 64. Verification passes (K + 1 rows)
+// and small batches run here.
+template <int NW, int MG>
+inline void i8_tile_512(const int8_t* w, int64_t K, const QuantizedRows& x, const float* sp2, int64_t r0,
+                        __m128* out) {
+  __m512 acc[NW][MG];
+  for (int i = 0; i < NW; ++i)
+    for (int m = 0; m < MG; ++m) acc[i][m] = _mm512_setzero_ps();
+  const __m512i zero = _mm512_setzero_si512();
+  const int64_t P = x.B / 2;
+  for (int64_t p = 0; p < P; ++p) {
+    __m512i wa[NW];
+    __mmask64 neg[NW];
+#pragma GCC unroll 4
+    for (int i = 0; i < NW; ++i) {
+      const int8_t* wp = w + i * K + p * 64;
+      prefetch_stream(wp + kStreamAhead);
+      const __m512i wv = _mm512_loadu_si512(wp);
+      wa[i] = _mm512_abs_epi8(wv);
+      neg[i] = _mm512_movepi8_mask(wv);
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MG; ++m) {
+      const __m512i xv = _mm512_loadu_si512(x.q + (r0 + m) * K + p * 64);
+      const __m512 xs = _mm512_loadu_ps(sp2 + ((r0 + m) * P + p) * 16);
+#pragma GCC unroll 4
+      for (int i = 0; i < NW; ++i) {
+        const __m512i d = _mm512_dpbusd_epi32(zero, wa[i], _mm512_mask_sub_epi8(xv, neg[i], zero, xv));
+        acc[i][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), xs, acc[i][m]);
+      }
+    }
+  }
+  for (int i = 0; i < NW; ++i) {
+    __m512 a[4];
+    for (int m = 0; m < 4; ++m) a[m] = m < MG ? acc[i][m] : _mm512_setzero_ps();
+    out[i] = hsums4_512(a);
+  }
+}
+#endif
+
 // Weight rows n .. n + NW against all M activation rows, in tiles of at most 4 activation rows:
 // tile(integral_constant<MG>, m0, out) fills out as reduce_tile does, then emit(i, m0, mg, out[i]) writes weight
 // row i's outputs for activation rows m0 .. m0 + mg.
@@ -790,7 +835,8 @@ void int8_rows_q8(const at::Tensor& x, const int8_t* w, const float* scale, cons
 #if LEVERLAB_QUANT_AVX512
   static thread_local std::vector<float> sp2buf;  // the calling thread's; the workers read it through sp2
   const bool wide = M == 1 && K > kFourRowsMaxK;
-  if (wide) pair_scales16(xq, sp2buf);
+  const bool pairs512 = M > 1 && xq.B % 2 == 0;  // the tiles on AVX-512 VNNI (i8_tile_512)
+  if (wide || pairs512) pair_scales16(xq, sp2buf, M);
   const float* sp2 = sp2buf.data();
 #endif
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
@@ -817,7 +863,13 @@ void int8_rows_q8(const at::Tensor& x, const int8_t* w, const float* scale, cons
     weight_tiles(n0, n1, [&](auto nw, int64_t n) {
       constexpr int NW = decltype(nw)::value;
       tile_rows<NW>(
-          M, [&](auto mg, int64_t m0, __m128* out) { i8_tile<NW, decltype(mg)::value>(w + n * K, K, xq, m0, out); },
+          M,
+          [&](auto mg, int64_t m0, __m128* out) {
+#if LEVERLAB_QUANT_AVX512
+            if (pairs512) return i8_tile_512<NW, decltype(mg)::value>(w + n * K, K, xq, sp2, m0, out);
+#endif
+            i8_tile<NW, decltype(mg)::value>(w + n * K, K, xq, m0, out);
+          },
           [&](int i, int64_t m0, int mg, __m128 v) {
             v = _mm_fmadd_ps(v, _mm_set1_ps(scale[n + i]), _mm_set1_ps(bias ? bias[n + i] : 0.f));
             store_lanes<T>(v, mg, y + m0 * N + n + i, N);
