@@ -165,20 +165,25 @@ def collect_inprocess(
     exactness: bool = True,
 ) -> dict[str, Any]:
     """Runs the worker in a subprocess (a crash or a refused lever cannot take the study down)."""
+    spec = inprocess_spec(model, levers, prompts, tokens, exactness)
+    return _in_subprocess("fidelity", [], spec, workdir, "fidelity-samples.json", timeout)
+
+
+def _in_subprocess(name: str, flags: list[str], spec: dict, workdir: Path, out_name: str, timeout: float) -> Any:
+    """`python -m leverlab.study.fidelity [flags] SPEC OUT` in workdir (<name>-spec.json, <name>.log): its JSON."""
     workdir.mkdir(parents=True, exist_ok=True)
-    spec_path, out_path = workdir / "fidelity-spec.json", workdir / "fidelity-samples.json"
-    spec_path.write_text(json.dumps(inprocess_spec(model, levers, prompts, tokens, exactness)))
-    log_path = workdir / "fidelity.log"
+    spec_path, out_path, log_path = workdir / f"{name}-spec.json", workdir / out_name, workdir / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
     with open(log_path, "w") as log:
         rc = subprocess.run(
-            [sys.executable, "-m", "leverlab.study.fidelity", str(spec_path), str(out_path)],
+            [sys.executable, "-m", "leverlab.study.fidelity", *flags, str(spec_path), str(out_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             timeout=timeout,
         ).returncode
     if rc != 0 or not out_path.is_file():
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-        raise RuntimeError(f"fidelity worker exited with {rc}:\n{tail}")
+        raise RuntimeError(f"{name} worker exited with {rc}:\n{tail}")
     return json.loads(out_path.read_text())
 
 
@@ -253,21 +258,7 @@ def collect_exactness(jobs: list[dict[str, Any]], workdir: Path, timeout: float 
     in one worker process, after their servers have run: one interpreter start and torch import for all of
     them, and one plain run for configurations that differ only in their speculation (a study's int8 + n-gram,
     + adaptive n-gram, + draft and + EAGLE share theirs). Returns {name: {"exactness": ...} or {"error": ...}}."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    spec_path, out_path = workdir / "exactness-spec.json", workdir / "exactness.json"
-    spec_path.write_text(json.dumps({"jobs": jobs}))
-    log_path = workdir / "exactness.log"
-    with open(log_path, "w") as log:
-        rc = subprocess.run(
-            [sys.executable, "-m", "leverlab.study.fidelity", "--exactness", str(spec_path), str(out_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            timeout=timeout,
-        ).returncode
-    if rc != 0 or not out_path.is_file():
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-        raise RuntimeError(f"exactness worker exited with {rc}:\n{tail}")
-    return json.loads(out_path.read_text())
+    return _in_subprocess("exactness", ["--exactness"], {"jobs": jobs}, workdir, "exactness.json", timeout)
 
 
 def _exactness_worker(spec: dict[str, Any]) -> dict[str, dict]:

@@ -173,3 +173,19 @@ def test_exactness_pairs_run_in_one_worker_and_share_the_plain_run(checkpoint_fa
     assert got["k3"]["exactness"]["exact"] is True and got["k3"]["plain_reused"] is False
     assert got["k2"]["exactness"]["exact"] is True and got["k2"]["plain_reused"] is True
     assert "no-such-method" in got["bad"]["error"]
+
+
+def test_inprocess_collection_has_samples_logprobs_and_exactness(checkpoint_factory, tmp_path):
+    """`--fidelity inprocess`: the served run through the Python API (ids, prompt logprobs) and, for a
+    speculative configuration, its float32 pair, in one worker process."""
+    from leverlab.study.fidelity import collect_inprocess
+
+    levers = {"dtype": "bfloat16", "quantization": None, "kv_cache_dtype": "auto", "prefix_caching": True,
+              "tensor_parallel_size": 1, "max_num_seqs": 8,
+              "speculative": {"method": "ngram", "num_speculative_tokens": 3}}
+    prompts = [{"id": "a", "text": "def f(x):\n    return x\ndef f(x):\n    return"}]
+    got = collect_inprocess(checkpoint_factory("qwen3"), levers, prompts, 10, tmp_path)
+    s = got["samples"][0]
+    assert len(s["output"]) == 10 and all(t.isdigit() for t in s["output"])
+    assert len(s["prompt_logprobs"]) == len(s["prompt_tokens"]) and s["prompt_logprobs"][0] is None
+    assert got["exactness"]["exact"] is True and (tmp_path / "fidelity.log").is_file()
