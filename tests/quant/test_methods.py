@@ -175,6 +175,18 @@ def test_autotune_times_both_kernels_and_either_gives_the_weight(name, monkeypat
 
 
 
+def _rows_agree_with_the_single_stream(linear, w: torch.Tensor, k: int) -> None:
+    """linear(x) over 2..16 bf16 rows equals linear() of each row alone to one bf16 step, and one row's result
+    is x times the dequantized weight w to within the activations' quantization."""
+    for m in (2, 3, 4, 5, 8, 13, 16):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        y = linear(x).float()
+        one = torch.cat([linear(x[i : i + 1]) for i in range(m)]).float()
+        assert ((y - one).abs() <= one.abs() * 2**-7 + 1e-6).all(), (m, (y - one).abs().max().item())
+        ref = x.float() @ w.T
+        assert (one - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+
+
 @pytest.mark.parametrize("k,g", [(256, 64), (384, 64), (352, 32), (1024, 128), (512, 32)])
 def test_int4_streaming_kernel_paths_agree(k, g):
     """Every row count the streaming int4 kernel takes (1..16: the single stream, the AVX2 pairs, the AVX-512
@@ -190,14 +202,8 @@ def test_int4_streaming_kernel_paths_agree(k, g):
         pytest.skip("no C++ kernels here")
     torch.manual_seed(k + g)
     packed, ss = pack_int4_streaming(*quantize_int4(torch.randn(73, k) * 0.05, g), g)
-    w = dequantize_streaming(packed, ss)
-    for m in (2, 3, 4, 5, 8, 13, 16):
-        x = torch.randn(m, k).to(torch.bfloat16)
-        y = kern.int4_linear(x, packed, ss, g, None).float()
-        one = torch.cat([kern.int4_linear(x[i : i + 1], packed, ss, g, None) for i in range(m)]).float()
-        assert ((y - one).abs() <= one.abs() * 2**-7 + 1e-6).all(), (m, (y - one).abs().max().item())
-        ref = x.float() @ w.T
-        assert (one - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+    _rows_agree_with_the_single_stream(lambda x: kern.int4_linear(x, packed, ss, g, None),
+                                       dequantize_streaming(packed, ss), k)
 
 
 @pytest.mark.parametrize("k", [256, 352, 384, 1024])
@@ -213,11 +219,4 @@ def test_int8_streaming_kernel_paths_agree(k):
         pytest.skip("no C++ kernels here")
     torch.manual_seed(k)
     q, s = quantize_int8(torch.randn(73, k) * 0.05)
-    w = q.float() * s[:, None]
-    for m in (2, 3, 4, 5, 8, 13, 16):
-        x = torch.randn(m, k).to(torch.bfloat16)
-        y = kern.int8_linear(x, q, s, None, True).float()
-        one = torch.cat([kern.int8_linear(x[i : i + 1], q, s, None, True) for i in range(m)]).float()
-        assert ((y - one).abs() <= one.abs() * 2**-7 + 1e-6).all(), (m, (y - one).abs().max().item())
-        ref = x.float() @ w.T
-        assert (one - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+    _rows_agree_with_the_single_stream(lambda x: kern.int8_linear(x, q, s, None, True), q.float() * s[:, None], k)
