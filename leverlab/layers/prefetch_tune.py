@@ -4,8 +4,9 @@ PREFETCHNTA (csrc/stream_hint.h) keeps a decode step's weight stream from evicti
 That pays where the weights cannot stay in the last-level cache anyway (a Zen 3, sessions 5-7: 8-20% faster per
 step) and costs where they could: on an Intel Xeon whose L3 is a victim cache, lines fetched non-temporally skip
 L2 and L3, so a model that fits in L3 was read from memory again every step (the bundled model, bf16, one thread:
-171 tok/s with the prefetch, 265-294 without; session 8). So the loader times one pass over the model's linear
-layers at one activation row, as a decode step reads them, both ways, and keeps the faster. LEVERLAB_NO_STREAM_
+171 tok/s with the prefetch, 265-294 without; session 8). So the loader times passes over the model's linear
+layers at one activation row, as a decode step reads them, both ways, each after a settling pass in its own mode,
+and keeps the faster. LEVERLAB_NO_STREAM_
 PREFETCH=1 turns it off without measuring.
 """
 
