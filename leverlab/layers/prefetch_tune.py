@@ -1,13 +1,20 @@
-"""Whether the streaming kernels prefetch their weights non-temporally: measured per model at load (CPU).
+"""How the streaming kernels prefetch their weights: measured per model at load (CPU).
 
-PREFETCHNTA (csrc/stream_hint.h) keeps a decode step's weight stream from evicting the rest of the working set.
-That pays where the weights cannot stay in the last-level cache anyway (a Zen 3, sessions 5-7: 8-20% faster per
-step) and costs where they could: on an Intel Xeon whose L3 is a victim cache, lines fetched non-temporally skip
-L2 and L3, so a model that fits in L3 was read from memory again every step (the bundled model, bf16, one thread:
-171 tok/s with the prefetch, 265-294 without; session 8). So the loader times passes over the model's linear
-layers at one activation row, as a decode step reads them, both ways, each after a settling pass in its own mode,
-and keeps the faster. LEVERLAB_NO_STREAM_
-PREFETCH=1 turns it off without measuring.
+The kernels read a decode step's weights as one stream and prefetch ahead of it in one of three ways
+(csrc/stream_hint.h), and which is fastest depends on the machine and on whether the model fits in its caches:
+  nta  non-temporal, 1 KB ahead: keeps the stream from evicting the rest of the step's working set; 8-20% faster
+       per step on a Zen 3 (sessions 5-7). The default until measured.
+  t0   into every cache level, 4 KB ahead: on an Intel Xeon (Sapphire/Emerald Rapids) the quantized kernels had
+       waited on memory for every line, arithmetic and memory taking turns; with it one core read int4 weights at
+       12.3 GB/s where no prefetch gave 7.6 and nta 8.2 (session 10), and two threads on the Qwen3-0.6B shape's
+       matrices read int4 at 23.0 GB/s (17.0 off, 13.3 nta; torch.sum 26.1).
+  off  no software prefetch: on that Xeon, whose L3 is a victim cache, non-temporal lines skip L3, so a model that
+       fits there was read from memory again every step with nta (the bundled model, bf16, one thread: 171 tok/s
+       with nta, 265-294 without; session 8).
+So the loader times passes over the model's linear layers at one activation row, as a decode step reads them, in
+each mode after a settling pass in that mode, and keeps the fastest (nta unless another is clearly faster). Past
+MAX_BYTES of weights it times the first layers up to that size: still far beyond any cache, and a pass stays short.
+LEVERLAB_STREAM_PREFETCH=off|nta|t0 sets the mode without measuring (LEVERLAB_NO_STREAM_PREFETCH=1: off).
 """
 
 from __future__ import annotations
@@ -23,8 +30,10 @@ from leverlab.layers.linear import Linear
 
 log = logging.getLogger("leverlab")
 
-MAX_BYTES = 1 << 30  # past this a pass is too long to time at load, and no cache keeps the weights either way
-MARGIN = 0.05  # off must be this much faster: the default (on) protects the rest of the step's working set
+MODES = ("nta", "t0", "off")  # csrc/stream_hint.h
+DEFAULT = "nta"
+MAX_BYTES = 1 << 30  # the layers timed: a pass over more would be long at load, and no cache keeps them anyway
+MARGIN = 0.05  # another mode must be this much faster: the default protects the rest of the step's working set
 ROUNDS = 2
 SETTLE = 1  # untimed passes after each switch: the first pass pays for the other mode's cache state
 TIMED = 2
@@ -37,16 +46,23 @@ def _bytes(layer: Linear) -> int:
     return layer.weight.numel() * layer.weight.element_size()
 
 
-def tune(model: torch.nn.Module) -> bool | None:
-    """Set the kernels' prefetch for this model; returns the choice (None: not measured)."""
+def tune(model: torch.nn.Module) -> str | None:
+    """Set the kernels' prefetch mode for this model; returns it (None: not measured, the default kept)."""
     kern = cpu_kernels.kernels()
     if kern is None:
         return None
-    if env.flag("LEVERLAB_NO_STREAM_PREFETCH"):
-        kern.set_stream_prefetch(False)
-        return False
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    if not layers or sum(_bytes(m) for m in layers) > MAX_BYTES:
+    forced = "off" if env.flag("LEVERLAB_NO_STREAM_PREFETCH") else env.get("LEVERLAB_STREAM_PREFETCH", "")
+    if forced:
+        if forced not in MODES:
+            raise ValueError(f"LEVERLAB_STREAM_PREFETCH must be one of {', '.join(MODES)}, not {forced!r}")
+        kern.set_stream_prefetch(forced)
+        return forced
+    layers, total = [], 0
+    for m in model.modules():
+        if isinstance(m, Linear) and total < MAX_BYTES:
+            layers.append(m)
+            total += _bytes(m)
+    if not layers:
         return None
     dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype (a quantized layer's weight is not)
     xs = [torch.randn(1, m.in_features, dtype=dtype) for m in layers]
@@ -59,24 +75,25 @@ def tune(model: torch.nn.Module) -> bool | None:
 
     # Each mode is timed in its own steady state: a pass right after a switch still pays for what the other mode
     # left in the caches (after non-temporal passes the weights are out of L3, so the first plain pass reads
-    # memory; timing that pass alone had made the two modes look alike, 4.4 vs 4.8 ms on the bundled model
-    # bf16, where steady passes take 3.4 vs 5.7 ms: session 9).
-    best = {True: float("inf"), False: float("inf")}
+    # memory; timing that pass alone had made two modes look alike, 4.4 vs 4.8 ms on the bundled model bf16,
+    # where steady passes take 3.4 vs 5.7 ms: session 9). The order alternates between rounds.
+    best = dict.fromkeys(MODES, float("inf"))
     try:
         with torch.inference_mode():
             one_pass()  # warm: allocations, first-call dispatch
             for r in range(ROUNDS):
-                for on in (True, False) if r % 2 == 0 else (False, True):
-                    kern.set_stream_prefetch(on)
+                for mode in MODES if r % 2 == 0 else MODES[::-1]:
+                    kern.set_stream_prefetch(mode)
                     for _ in range(SETTLE):
                         one_pass()
-                    best[on] = min(best[on], *(one_pass() for _ in range(TIMED)))
+                    best[mode] = min(best[mode], *(one_pass() for _ in range(TIMED)))
     except Exception as e:  # noqa: BLE001 - a measurement must never stop a model from loading
-        kern.set_stream_prefetch(True)
-        log.warning("weight prefetch left on: timing the layers failed (%s)", e)
+        kern.set_stream_prefetch(DEFAULT)
+        log.warning("weight prefetch left at %s: timing the layers failed (%s)", DEFAULT, e)
         return None
-    on = not best[False] < (1 - MARGIN) * best[True]
-    kern.set_stream_prefetch(on)
-    log.info("weight prefetch %s: a pass over the linear layers took %.2f ms with it, %.2f ms without",
-             "on" if on else "off", best[True] * 1e3, best[False] * 1e3)
-    return on
+    fastest = min(MODES, key=best.__getitem__)
+    mode = fastest if best[fastest] < (1 - MARGIN) * best[DEFAULT] else DEFAULT
+    kern.set_stream_prefetch(mode)
+    log.info("weight prefetch %s: a pass over %d linear layers (%.0f MB) took %s", mode, len(layers), total / 1e6,
+             ", ".join(f"{best[m] * 1e3:.2f} ms {m}" for m in MODES))
+    return mode

@@ -134,13 +134,16 @@ def test_quantized_kernels_integer_path_is_the_block_quantized_product(dtype):
     the per-32-block quantized activations (llama.cpp's q8_0 arithmetic), up to float summation order and the
     output's rounding, for every row count they stream (one row; 2..16 in tiles of 2 weight rows x up to 4), with
     odd block counts (int4 takes blocks in pairs, or fours with AVX-512: 1056, 1088 and 1120 leave 1, 2 and 3
-    over), group counts that fill no whole vector of 8 or 16, and an odd row count (the tiles' last single row)."""
+    over), group counts that fill no whole vector of 8 or 16 (and, in AVX-512's single stream, whole chunks of 16
+    groups with a partial one after them, at every group size: 1536 and 2048 with g = 64, 128), and an odd row
+    count (the tiles' last single row)."""
     from leverlab.quant.int4 import dequantize_streaming, pack_int4_streaming, quantize_int4
 
     kern = cpu_kernels.kernels()
     torch.manual_seed(0)
     for m in (1, 2, 3, 5, 16):
-        for n, k in ((64, 64), (37, 384), (96, 1024), (41, 96), (8, 1056), (5, 1088), (6, 1120)):
+        for n, k in ((64, 64), (37, 384), (96, 1024), (41, 96), (8, 1056), (5, 1088), (6, 1120), (4, 1536),
+                     (3, 2048), (2, 4096)):
             x = (torch.randn(m, k) * torch.rand(1, k) * 4).to(dtype)
             xq = quantize_blocks_q8(x)
             w, b = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.randn(n)
@@ -148,7 +151,7 @@ def test_quantized_kernels_integer_path_is_the_block_quantized_product(dtype):
             expected = xq @ (w.float() * s[:, None]).t() + b
             got = kern.int8_linear(x, w, s, b, True).float()
             assert (got - expected).abs().max() <= 1e-5 * expected.abs().max() + 2 ** -8 * expected.abs().max()
-            for g in (g for g in (32, 64) if k % g == 0):
+            for g in (g for g in (32, 64, 128, 256) if k % g == 0):
                 q, sc, z = quantize_int4(torch.randn(n, k), g)
                 packed, ss = pack_int4_streaming(q, sc, z, g)
                 expected = xq @ dequantize_streaming(packed, ss).t() + b

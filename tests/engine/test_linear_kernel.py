@@ -53,8 +53,9 @@ def test_float32_and_autograd_keep_aten():
 
 
 def test_prefetch_is_measured_at_load_and_off_by_env(checkpoint_factory, monkeypatch):
-    """The loader times a pass over the linear layers with and without the weight prefetch and keeps the
-    faster (layers/prefetch_tune.py); LEVERLAB_NO_STREAM_PREFETCH=1 turns it off without measuring."""
+    """The loader times a pass over the linear layers in each weight-prefetch mode and keeps the fastest
+    (layers/prefetch_tune.py); LEVERLAB_STREAM_PREFETCH sets one without measuring, LEVERLAB_NO_STREAM_PREFETCH=1
+    turns it off, and an unknown mode is refused."""
     from leverlab.layers import prefetch_tune
     from leverlab.models.loader import load_model
 
@@ -63,7 +64,14 @@ def test_prefetch_is_measured_at_load_and_off_by_env(checkpoint_factory, monkeyp
         pytest.skip("no C++ kernels here")
     model = load_model(checkpoint_factory("qwen3"), "bfloat16")
     choice = prefetch_tune.tune(model)
-    assert choice in (True, False) and kern.stream_prefetch() == choice
+    assert choice in ("nta", "t0", "off") and kern.stream_prefetch() == choice
+    monkeypatch.setenv("LEVERLAB_STREAM_PREFETCH", "t0")
+    assert prefetch_tune.tune(model) == "t0" and kern.stream_prefetch() == "t0"
+    monkeypatch.setenv("LEVERLAB_STREAM_PREFETCH", "sometimes")
+    with pytest.raises(ValueError, match="LEVERLAB_STREAM_PREFETCH"):
+        prefetch_tune.tune(model)
     monkeypatch.setenv("LEVERLAB_NO_STREAM_PREFETCH", "1")
-    assert prefetch_tune.tune(model) is False and kern.stream_prefetch() is False
-    kern.set_stream_prefetch(True)  # the default, for the tests that follow
+    assert prefetch_tune.tune(model) == "off" and kern.stream_prefetch() == "off"
+    kern.set_stream_prefetch("nta")  # the default, for the tests that follow
+    with pytest.raises(RuntimeError, match="'off', 'nta' or 't0'"):
+        kern.set_stream_prefetch("on")

@@ -38,8 +38,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "quantize_x: bf16/fp16 x quantized per 32-block for integer dot products");
   m.def("int4_linear", &int4_linear, "y = x W^T (+ b) for int4 W (packed [N, K/2], fp16 scales and zero points [N, 2, K/g]); streaming for 1..quant_max_rows() rows");
   m.def("quant_max_rows", &quant_max_rows, "the most activation rows the streaming int8/int4 kernels take");
-  m.def("set_stream_prefetch", [](bool on) { stream_prefetch_enabled() = on; },
-        "whether the streaming kernels prefetch their weights ahead, non-temporally (csrc/stream_hint.h)");
-  m.def("stream_prefetch", []() { return stream_prefetch_enabled(); });
+  m.def("set_stream_prefetch",
+        [](const std::string& kind) {
+          const int mode = kind == "off" ? kPrefetchOff : kind == "nta" ? kPrefetchNonTemporal : kind == "t0" ? kPrefetchAhead : -1;
+          TORCH_CHECK(mode >= 0, "set_stream_prefetch: 'off', 'nta' or 't0', not '", kind, "'");
+          stream_prefetch_mode() = mode;
+        },
+        "how the streaming kernels prefetch their weights: 'off', 'nta' (non-temporal, 1 KB ahead) or 't0' "
+        "(into every cache level, 4 KB ahead); csrc/stream_hint.h");
+  m.def("stream_prefetch", []() {
+    const int mode = stream_prefetch_mode();
+    return std::string(mode == kPrefetchOff ? "off" : mode == kPrefetchNonTemporal ? "nta" : "t0");
+  });
   bind_fused_decoder(m);
 }

@@ -225,7 +225,7 @@ inline float i8_row(const int8_t* wr, const QuantizedRows& x) {
   };
   int64_t b = 0;
   for (; b + 2 <= x.B; b += 2) {
-    prefetch_stream(wr + b * 32 + kStreamAhead);
+    prefetch_stream(wr + b * 32);
     step(b, 0);
     step(b + 1, 1);
   }
@@ -257,7 +257,7 @@ inline void i8_dots_4rows(const int8_t* w, int64_t K, const QuantizedRows& x, fl
     const __m256 xs = _mm256_set1_ps(x.scale[b]);
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-      if ((b & 1) == 0) prefetch_stream(w + i * K + b * 32 + kStreamAhead);
+      if ((b & 1) == 0) prefetch_stream(w + i * K + b * 32);
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * K + b * 32));
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_block_i8(wv, xv)), xs, acc[i]);
     }
@@ -320,7 +320,7 @@ inline void u4_rows(const uint8_t* w, int64_t K, const at::Half* ss, const at::H
 #pragma GCC unroll 4
       for (int i = 0; i < NR; ++i) {
         const uint8_t* wr = w + i * (K / 2);
-        if ((b & 3) == 0) prefetch_stream(wr + b * 16 + kStreamAhead);  // one 64-byte line per 4 blocks
+        if ((b & 3) == 0) prefetch_stream(wr + b * 16);  // one 64-byte line per 4 blocks
         __m256i wlo, whi;
         load_u4_pair(wr + b * 16, wlo, whi);
         acc[i][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4_pair(wlo, whi, xlo, xhi)),
@@ -386,44 +386,64 @@ inline void scale_chunk16(const at::Half* sr, int64_t G, int64_t c, const at::Ha
   }
 }
 
-// u4_rows<1> with quads; blocks past the last whole quad (K / 32 not a multiple of 4) are summed in scalar code.
-// gsum: G rounded up to 16, zero past G.
-inline float u4_row_512(const uint8_t* wr, const at::Half* sr, const at::Half* end, int64_t G, int gshift,
-                        const QuantizedRows& x, const float* gsum) {
-  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, zacc = _mm512_setzero_ps();
+// One quad (blocks 4q .. 4q + 3) of a weight row against x in quad order: their dot products, block b's in lanes
+// 4b .. 4b + 3, times x's block scales and the weight scales ws (each block's group scale in its four lanes), into acc.
+inline void u4_quad_512(const uint8_t* wr, const QuantizedRows& x, int64_t q, __m512 ws, __m512& acc) {
   const __m512i nib = _mm512_set1_epi8(0x0F);
+  prefetch_stream(wr + q * 64);
+  const __m512i v = _mm512_loadu_si512(wr + q * 64);
+  const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+  __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x.q4 + q * 128));
+  d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(x.q4 + q * 128 + 64));
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(_mm512_loadu_ps(x.sp + q * 16), ws), acc);
+}
+
+// u4_rows<1> with quads, for groups of GS blocks (g = 32 GS). The scales of 16 groups sit in one register (sv),
+// converted as the row reaches them, and a quad's are picked from it by one vpermps. A whole chunk of 16 groups
+// (4 GS quads) is unrolled, so that the permutation is a constant per quad: computing it per quad (the lanes'
+// block numbers, shifted by the group size) had been 3 of ~13 ops, and the unrolled chunk ran 1.5-1.7x as many
+// weights per second hot in L2 (standalone harness, K = 1024 and 3072, session 10). A partial last chunk (G not a
+// multiple of 16) takes the same quads with the permutation computed; blocks past the last whole quad (K / 32
+// not a multiple of 4) are summed in scalar code. gsum: G rounded up to 16, zero past G.
+template <int GS>
+inline float u4_row_512(const uint8_t* wr, const at::Half* sr, const at::Half* end, int64_t G, const QuantizedRows& x,
+                        const float* gsum) {
+  constexpr int kQuadsPerChunk = 4 * GS;
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), zacc = _mm512_setzero_ps();
   const int64_t Q = x.B / 4;
-  __m512 sv = _mm512_setzero_ps();
-  int u = 0;
   for (int64_t c = 0; c * 16 < G; ++c) {
-    __m512 zv;
+    __m512 sv, zv;
     scale_chunk16(sr, G, c, end, sv, zv);
     zacc = _mm512_fmadd_ps(_mm512_mul_ps(sv, zv), _mm512_loadu_ps(gsum + c * 16), zacc);
-    // block numbers of a quad's lanes (4 each); their group, mod 16, is the lane of sv to take
-    __m512i blk = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>((c * 16) << gshift)),
-                                   _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
-    const int64_t q1 = std::min<int64_t>(Q, ((c * 16 + 16) << gshift) / 4);
-    for (int64_t q = ((c * 16) << gshift) / 4; q < q1; ++q, u ^= 1) {
-      prefetch_stream(wr + q * 64 + kStreamAhead);
-      const __m512i v = _mm512_loadu_si512(wr + q * 64);
-      const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-      __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x.q4 + q * 128));
-      d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(x.q4 + q * 128 + 64));
-      const __m512 ws = _mm512_permutexvar_ps(_mm512_srli_epi32(blk, gshift), sv);  // vpermps reads 4 index bits
-      acc[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(_mm512_loadu_ps(x.sp + q * 16), ws), acc[u]);
-      blk = _mm512_add_epi32(blk, _mm512_set1_epi32(4));
+    const int64_t q0 = c * kQuadsPerChunk;
+    if (q0 + kQuadsPerChunk <= Q) {
+#pragma GCC unroll 32
+      for (int j = 0; j < kQuadsPerChunk; ++j) {
+        // lanes 4b .. 4b + 3 hold block 4j + b of the chunk, of group (4j + b) / GS
+        const __m512i lane_group = _mm512_setr_epi32(
+            (4 * j) / GS, (4 * j) / GS, (4 * j) / GS, (4 * j) / GS, (4 * j + 1) / GS, (4 * j + 1) / GS,
+            (4 * j + 1) / GS, (4 * j + 1) / GS, (4 * j + 2) / GS, (4 * j + 2) / GS, (4 * j + 2) / GS,
+            (4 * j + 2) / GS, (4 * j + 3) / GS, (4 * j + 3) / GS, (4 * j + 3) / GS, (4 * j + 3) / GS);
+        u4_quad_512(wr, x, q0 + j, _mm512_permutexvar_ps(lane_group, sv), j & 1 ? acc1 : acc0);
+      }
+    } else {
+      const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+      for (int64_t q = q0; q < Q; ++q) {
+        const __m512i blk = _mm512_add_epi32(first, _mm512_set1_epi32(static_cast<int>(4 * (q - q0))));
+        u4_quad_512(wr, x, q, _mm512_permutexvar_ps(_mm512_srli_epi32(blk, __builtin_ctz(GS)), sv), acc0);
+      }
     }
   }
   float tail = 0.f;  // blocks 4Q .. B (K / 32 not a multiple of 4), x in its natural order
   for (int64_t b = 4 * Q; b < x.B; ++b) {
-    const float ws = static_cast<float>(sr[b >> gshift]) * x.scale[b];
+    const float ws = static_cast<float>(sr[b / GS]) * x.scale[b];
     const int8_t* xb = x.q + b * 32;
     int32_t dot = 0;
     for (int i = 0; i < 16; ++i)
       dot += static_cast<int32_t>(wr[b * 16 + i] & 15) * xb[i] + static_cast<int32_t>(wr[b * 16 + i] >> 4) * xb[16 + i];
     tail += ws * static_cast<float>(dot);
   }
-  return _mm512_reduce_add_ps(_mm512_sub_ps(_mm512_add_ps(acc[0], acc[1]), zacc)) + tail;
+  return _mm512_reduce_add_ps(_mm512_sub_ps(_mm512_add_ps(acc0, acc1), zacc)) + tail;
 }
 
 // int8's single stream, two blocks (64 weights) per step: x stays in its natural order (block b's 32 bytes fill
@@ -443,7 +463,7 @@ inline float i8_row_512(const int8_t* wr, const QuantizedRows& x, const float* s
   const __m512i zero = _mm512_setzero_si512();
   int64_t b = 0;
   for (int u = 0; b + 2 <= x.B; b += 2, u ^= 1) {
-    prefetch_stream(wr + b * 32 + kStreamAhead);
+    prefetch_stream(wr + b * 32);
     const __m512i w = _mm512_loadu_si512(wr + b * 32), xv = _mm512_loadu_si512(x.q + b * 32);
     const __m512i xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(w), zero, xv);
     const __m512i d = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), xs);
@@ -532,7 +552,7 @@ inline void i8_tile(const int8_t* w, int64_t K, const QuantizedRows& x, int64_t 
     __m256i wv[NW], wa[NW];
 #pragma GCC unroll 4
     for (int i = 0; i < NW; ++i) {
-      if ((b & 1) == 0) prefetch_stream(w + i * K + b * 32 + kStreamAhead);
+      if ((b & 1) == 0) prefetch_stream(w + i * K + b * 32);
       wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * K + b * 32));
       wa[i] = _mm256_sign_epi8(wv[i], wv[i]);
     }
@@ -567,7 +587,7 @@ inline void u4_tile(const uint8_t* w, int64_t K, const float* s, int64_t ss, int
     __m256i wlo[NW], whi[NW];
 #pragma GCC unroll 4
     for (int i = 0; i < NW; ++i) {
-      if ((b & 3) == 0) prefetch_stream(w + i * (K / 2) + b * 16 + kStreamAhead);  // one line per 4 blocks
+      if ((b & 3) == 0) prefetch_stream(w + i * (K / 2) + b * 16);  // one line per 4 blocks
       load_u4_pair(w + i * (K / 2) + b * 16, wlo[i], whi[i]);
     }
 #pragma GCC unroll 4
@@ -644,7 +664,7 @@ inline void u4_tile_512(const uint8_t* w, int64_t K, const float* wsb, const Qua
 #pragma GCC unroll 4
     for (int i = 0; i < NW; ++i) {
       const uint8_t* wq = w + i * (K / 2) + q * 64;
-      prefetch_stream(wq + kStreamAhead);
+      prefetch_stream(wq);
       const __m512i v = _mm512_loadu_si512(wq);
       lo[i] = _mm512_and_si512(v, nib);
       hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
@@ -690,7 +710,7 @@ inline void i8_tile_512(const int8_t* w, int64_t K, const QuantizedRows& x, cons
 #pragma GCC unroll 4
     for (int i = 0; i < NW; ++i) {
       const int8_t* wp = w + i * K + p * 64;
-      prefetch_stream(wp + kStreamAhead);
+      prefetch_stream(wp);
       const __m512i wv = _mm512_loadu_si512(wp);
       wa[i] = _mm512_abs_epi8(wv);
       neg[i] = _mm512_movepi8_mask(wv);
@@ -958,7 +978,16 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
       int64_t n = n0;
 #if LEVERLAB_QUANT_AVX512
       if (wide) {
-        for (; n < n1; ++n) emit(n, u4_row_512(w + n * (K / 2), ss + n * 2 * G, ss + N * 2 * G, G, gshift, xq, gsum));
+        auto rows = [&](auto gs) {
+          for (; n < n1; ++n)
+            emit(n, u4_row_512<decltype(gs)::value>(w + n * (K / 2), ss + n * 2 * G, ss + N * 2 * G, G, xq, gsum));
+        };
+        switch (gshift) {  // blocks per group: g = 32, 64, 128, 256
+          case 0: rows(std::integral_constant<int, 1>{}); break;
+          case 1: rows(std::integral_constant<int, 2>{}); break;
+          case 2: rows(std::integral_constant<int, 4>{}); break;
+          default: rows(std::integral_constant<int, 8>{}); break;
+        }
         return;
       }
 #endif

@@ -1,27 +1,37 @@
-// How the streaming kernels read weights that a decode step uses once: a non-temporal prefetch a little ahead.
+// How the streaming kernels read weights that a decode step uses once: a software prefetch ahead of the loads,
+// of a kind chosen per model at load (layers/prefetch_tune.py), because the best kind depends on the machine.
 //
-// A decode step streams every weight once, and on a small model that stream is larger than the caches, so with
-// plain loads it evicts everything else each step: the engine's Python, the KV cache, the activations. Each step
-// then starts cold (measured on a Zen 3: argmax over 8K logits took ~40 us inside a step against ~10 us hot).
-// PREFETCHNTA brings a line in marked for early eviction, so the weights pass through without displacing the
-// rest: 8-20% faster per decode step on the bundled model (scripts/profile_step.py, interleaved runs), where a
-// T0 prefetch at the same distances had measured 3-5% slower than none.
+// A decode step streams every weight once. Three ways to read that stream, each the best somewhere:
+//  - non-temporal (PREFETCHNTA, 1 KB ahead): lines come in marked for early eviction, so a stream larger than
+//    the caches does not displace the rest of the step's working set (the engine's Python, the KV cache, the
+//    activations): 8-20% faster per decode step on a Zen 3 (scripts/profile_step.py, interleaved runs).
+//  - ahead (PREFETCHT0, 4 KB ahead): on an Intel Xeon (Sapphire/Emerald Rapids, session 10) the quantized kernels
+//    had stalled on memory for every line, their arithmetic and the memory stream taking turns instead of
+//    overlapping: one core read int4 weights at 7.6 GB/s without a prefetch, 8.2 non-temporally and 12.3 with
+//    T0 4 KB ahead, of the 14.6 GB/s it reads with torch.sum (a standalone harness over 120 MB of 4096 x 1024
+//    int4 matrices). 1 KB ahead gave 10.6, 8 KB 12.5.
+//  - off: on that same Xeon, whose L3 is a victim cache, non-temporal lines skip L3, and a model that fits
+//    there was re-read from memory every step (the bundled model 1.6x slower with NTA; session 8).
 #pragma once
 #include <cstdint>
 
-// Bytes ahead of the current read: far enough to cover the memory latency at streaming rates, close enough to stay
-// inside the hardware prefetcher's window (512 B..2 KB measured alike; 1 KB chosen).
-constexpr int64_t kStreamAhead = 1024;
+enum StreamPrefetch : int { kPrefetchOff = 0, kPrefetchNonTemporal = 1, kPrefetchAhead = 2 };
 
-// Whether the kernels issue it: on by default; set_stream_prefetch(false) turns it off, which the loader does
-// where a pass over the model's weights measures faster without (layers/prefetch_tune.py): on an Intel Xeon
-// whose L3 is a victim cache, non-temporal lines skip L3, and a model that fits there was re-read from memory
-// every step (the bundled model 1.6x slower); a model larger than the caches decoded the same either way.
-inline bool& stream_prefetch_enabled() {
-  static bool on = true;
-  return on;
+// Bytes ahead of the current read, per kind: far enough to cover the memory latency at streaming rates.
+constexpr int64_t kNonTemporalAhead = 1024;  // 512 B..2 KB measured alike on a Zen 3
+constexpr int64_t kT0Ahead = 4096;
+
+// The kind the kernels issue: non-temporal until the loader has measured the model (set_stream_prefetch).
+inline int& stream_prefetch_mode() {
+  static int mode = kPrefetchNonTemporal;
+  return mode;
 }
 
-inline void prefetch_stream(const void* p) {  // locality 0: PREFETCHNTA on x86
-  if (stream_prefetch_enabled()) __builtin_prefetch(p, 0, 0);
+// Called once per 64-byte line of weights (or more often) at the position being read now.
+inline void prefetch_stream(const void* here) {
+  const int mode = stream_prefetch_mode();
+  if (mode == kPrefetchNonTemporal)
+    __builtin_prefetch(static_cast<const char*>(here) + kNonTemporalAhead, 0, 0);
+  else if (mode == kPrefetchAhead)
+    __builtin_prefetch(static_cast<const char*>(here) + kT0Ahead, 0, 3);
 }
