@@ -4,10 +4,10 @@ A decode step multiplies a handful of activation rows by every weight matrix, so
 weights and should run at memory bandwidth. aten's bf16 linear falls well short of that for a few rows;
 our kernel (csrc/skinny_linear.cpp) reads them as one sequential stream per thread, at the rate `torch.sum`
 reads memory (scripts/bench_linear.py measures both; figures in docs/engine.md): single streams, small
-batches and speculative verification. With AVX-512 BF16 (Zen 4, Sapphire Rapids) it takes up to 8 rows,
-where aten's oneDNN GEMM takes over; with AVX2 + FMA only (Zen 2/3, older Intel) up to 32 rows, because
-aten's bf16 GEMM is emulated there and was 4x slower than ours at 16 rows. Larger batches, prefill and
-other dtypes keep aten's linear.
+batches and speculative verification. It takes up to 32 rows: with AVX-512 BF16 (Zen 4, Sapphire Rapids) in
+groups of 8 over pairs of weight rows, 1.2x oneDNN's GEMM at 16 rows and level with it at 32 (a Xeon, session
+10); with AVX2 + FMA only (Zen 2/3, older Intel) aten's bf16 GEMM is emulated, and was 4x slower than ours at
+16 rows. Larger batches, prefill and other dtypes keep aten's linear.
 
 The kernel is reached through one op registered in C++, `torch.ops.leverlab_cpu.linear_bf16`, which picks
 kernel or aten by the row count at run time: a compiled model treats it as one opaque call (no graph guard

@@ -29,7 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(bf16/fp16/fp32, or int8 with k_scale/v_scale [num_blocks, block_size, KVH] float32)");
   m.def("has_tiled_attention", &has_tiled_attention,
         "whether paged_decode takes long spans (prefill chunks) in register tiles (AVX2); else short spans only");
-  m.def("skinny_linear", &skinny_linear, "y = x W^T (+ b) in bfloat16 for 1..8 rows (AVX-512 BF16 or AVX2)");
+  m.def("skinny_linear", &skinny_linear, "y = x W^T (+ b) in bfloat16 for 1..skinny_max_rows() rows (AVX-512 BF16 or AVX2)");
   m.def("has_skinny_linear", &has_skinny_linear, "whether this build has the streaming bf16 linear (AVX-512 BF16 or AVX2)");
   m.def("skinny_max_rows", &skinny_max_rows, "the most activation rows the streaming bf16 linear takes (0: none)");
   m.def("int8_linear", &int8_linear, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale"),

@@ -4,7 +4,7 @@
 // run module by module from Python pays ~100 op dispatches (norms, rotary, residuals, the linears and the
 // attention of every layer), each a few microseconds plus its Python frames: measured on the bundled 15M model,
 // the dispatch took longer than the weights. This is what llama.cpp does: one native loop over the layers.
-// Each linear is our streaming kernel (bf16, up to 8 rows) or aten's; attention is paged_decode(), which also
+// Each linear is our streaming kernel (bf16, up to 32 rows) or aten's; attention is paged_decode(), which also
 // writes the new K/V; the elementwise work between them runs in plain loops on the step's few rows.
 //
 // Numerics follow the module path (models/decoder.py) op for op: every elementwise op rounds to the model dtype

@@ -1,6 +1,7 @@
-// y = x W^T (+ b) for a few rows of x, in bfloat16, with AVX-512 BF16 dot products.
+// y = x W^T (+ b) for a few rows of x (1..32), in bfloat16: with AVX-512 BF16 dot products (dpbf16 below), else
+// with the weights widened to float32 in registers (widen, for AVX2 and AVX-512F).
 //
-// Decode multiplies 1..8 activation rows by every weight matrix: the work is reading W once, so the kernel is
+// Decode multiplies 1..32 activation rows by every weight matrix: the work is reading W once, so the kernel is
 // a streaming loop. Each thread walks its share of W's rows one row after the other, so the reads form one
 // sequential stream, and applies each 32-element weight chunk to every activation row while it is in
 // registers. Accumulation is fp32 (dpbf16ps multiplies bf16 pairs exactly and adds in fp32); each output is
@@ -20,101 +21,9 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-
-bool has_skinny_linear() { return true; }
-int64_t skinny_max_rows() { return 8; }
-
-namespace {
-
-inline __m512bh load_bf16(const uint16_t* p, __mmask32 mask) {
-  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
-}
-
-// Output column n for M activation rows: the dot products of row n of W with each row of x. U independent
-// accumulators per activation row (chunks k, k + 32, ... k + 32 (U - 1)) hide dpbf16ps's latency when M is
-// small; M * U <= 8 keeps them in registers (gcc spilled larger accumulator arrays and halved the rate).
-// The prefetch distance, in elements, runs ahead of the hardware prefetcher within and across rows.
-template <int M, int U, int64_t Prefetch>
-inline void column(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, const float* bias, uint16_t* y,
-                   int64_t ldy, int64_t n) {
-  __m512 acc[M][U];
-#pragma GCC unroll 8
-  for (int m = 0; m < M; ++m)
-#pragma GCC unroll 8
-    for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
-  const uint16_t* wr = w + n * K;
-  int64_t k = 0;
-  if constexpr (U > 1) {
-    for (; k + 32 * U <= K; k += 32 * U) {
-#pragma GCC unroll 8
-      for (int u = 0; u < U; ++u) {
-        _mm_prefetch(reinterpret_cast<const char*>(wr + k + 32 * u + Prefetch), _MM_HINT_T0);
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k + 32 * u);
-#pragma GCC unroll 8
-        for (int m = 0; m < M; ++m)
-          acc[m][u] = _mm512_dpbf16_ps(acc[m][u], (__m512bh)_mm512_loadu_si512(x + m * ldx + k + 32 * u), wv);
-      }
-    }
-  }
-  for (; k < K; k += 32) {  // U == 1: the whole row; otherwise the tail (masked past K)
-    const __mmask32 mask = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
-    _mm_prefetch(reinterpret_cast<const char*>(wr + k + Prefetch), _MM_HINT_T0);
-    const __m512bh wv = load_bf16(wr + k, mask);
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], load_bf16(x + m * ldx + k, mask), wv);
-  }
-#pragma GCC unroll 8
-  for (int m = 0; m < M; ++m) {
-    __m512 s = acc[m][0];
-#pragma GCC unroll 8
-    for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[m][u]);
-    y[m * ldy + n] = c10::BFloat16(_mm512_reduce_add_ps(s) + (bias ? bias[n] : 0.f)).x;
-  }
-}
-
-template <int M, int U, int64_t Prefetch>
-void run(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t N, int64_t K, const float* bias, uint16_t* y,
-         int64_t ldy) {
-  // Contiguous shares of 64 rows or more: one sequential stream per thread, balanced across 2..16 threads.
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) column<M, U, Prefetch>(x, ldx, w, K, bias, y, ldy, n);
-  });
-}
-
-}  // namespace
-
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: x [M, K], w [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "skinny_linear: bfloat16");
-  TORCH_CHECK(x.stride(1) == 1 && w.is_contiguous(), "skinny_linear: contiguous rows");
-  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
-  TORCH_CHECK(M >= 1 && M <= 8, "skinny_linear: 1..8 rows");
-  auto y = torch::empty({M, N}, x.options());
-  torch::Tensor b32;
-  const float* bp = bias_f32(bias, b32);
-  auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  auto yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const int64_t ldx = x.stride(0);
-  // Unrolling and prefetch distance (elements) per row count: the best of a sweep (scripts/bench_linear.py).
-  switch (M) {
-    case 1: run<1, 4, 1024>(xp, ldx, wp, N, K, bp, yp, N); break;
-    case 2: run<2, 4, 1024>(xp, ldx, wp, N, K, bp, yp, N); break;
-    case 3: run<3, 2, 1024>(xp, ldx, wp, N, K, bp, yp, N); break;
-    case 4: run<4, 2, 1024>(xp, ldx, wp, N, K, bp, yp, N); break;
-    case 5: run<5, 1, 4096>(xp, ldx, wp, N, K, bp, yp, N); break;
-    case 6: run<6, 1, 4096>(xp, ldx, wp, N, K, bp, yp, N); break;
-    case 7: run<7, 1, 4096>(xp, ldx, wp, N, K, bp, yp, N); break;
-    default: run<8, 1, 4096>(xp, ldx, wp, N, K, bp, yp, N); break;
-  }
-  return y;
-}
-
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SKINNY_AVX2_MAX_ROWS 32
+#define LEVERLAB_SKINNY_WIDEN 1
 
 // AVX2 + FMA (Zen 2/3, Haswell and later), and AVX-512F without BF16 (Ice Lake .. Emerald Rapids as some VMs show
 // them): no bf16 dot product, so the kernel widens the weights to float32 in registers. A 32-bit lane holding bf16
@@ -126,13 +35,7 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
 // on a Xeon, 1.7-1.8x the AVX2 code at 8-16 rows over the Qwen3-0.6B shape's matrices, and batch-16 decode
 // went from 0.53x llama.cpp's AVX-512 path to 0.68-0.74x (still compute-bound on the widening and the FMAs).
 
-bool has_skinny_linear() { return true; }
-// Rows are taken in groups (4 with AVX2, 8 with AVX-512), each weight row re-read from L1 for the next group, so
-// past a few rows the kernel is a compute-bound GEMM; it stays ahead of aten's bf16 GEMM (emulated without
-// AVX-512 BF16) up to this many.
-int64_t skinny_max_rows() { return SKINNY_AVX2_MAX_ROWS; }
-
-namespace {
+namespace widen {
 
 struct Avx2 {
   using F = __m256;
@@ -262,17 +165,9 @@ void group(int64_t g, const float* xs, int64_t KC, const uint16_t* w, int64_t K,
   }
 }
 
-}  // namespace
-
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: x [M, K], w [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "skinny_linear: bfloat16");
-  TORCH_CHECK(x.stride(1) == 1 && w.is_contiguous(), "skinny_linear: contiguous rows");
+// x [M, K] -> y [M, N] (the caller checked the shapes).
+void linear(const torch::Tensor& x, const torch::Tensor& w, const float* bp, torch::Tensor& y) {
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
-  TORCH_CHECK(M >= 1 && M <= skinny_max_rows(), "skinny_linear: 1..", skinny_max_rows(), " rows");
-  auto y = torch::empty({M, N}, x.options());
-  torch::Tensor b32;
-  const float* bp = bias_f32(bias, b32);
   constexpr int C = 2 * Vec::W, G = Vec::kGroup;
   const int64_t KC = (K + C - 1) / C * C;
   // The widened activations: on the stack for the usual sizes.
@@ -293,19 +188,180 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
         group<Vec>(std::min<int64_t>(G, M - m0), xs + m0 * KC, KC, wp, K, bp, yp + m0 * N, N, b0, b1);
     }
   });
+}
+
+}  // namespace widen
+
+#endif
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define LEVERLAB_SKINNY_DPBF16 1
+
+namespace dpbf16 {
+
+inline __m512bh load_bf16(const uint16_t* p, __mmask32 mask) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+}
+
+// Output column n for M activation rows: the dot products of row n of W with each row of x. U independent
+// accumulators per activation row (chunks k, k + 32, ... k + 32 (U - 1)) hide dpbf16ps's latency when M is
+// small; M * U <= 8 keeps them in registers (gcc spilled larger accumulator arrays and halved the rate).
+// The prefetch distance, in elements, runs ahead of the hardware prefetcher within and across rows.
+template <int M, int U, int64_t Prefetch>
+inline void column(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, const float* bias, uint16_t* y,
+                   int64_t ldy, int64_t n) {
+  __m512 acc[M][U];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
+  const uint16_t* wr = w + n * K;
+  int64_t k = 0;
+  if constexpr (U > 1) {
+    for (; k + 32 * U <= K; k += 32 * U) {
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) {
+        _mm_prefetch(reinterpret_cast<const char*>(wr + k + 32 * u + Prefetch), _MM_HINT_T0);
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k + 32 * u);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m)
+          acc[m][u] = _mm512_dpbf16_ps(acc[m][u], (__m512bh)_mm512_loadu_si512(x + m * ldx + k + 32 * u), wv);
+      }
+    }
+  }
+  for (; k < K; k += 32) {  // U == 1: the whole row; otherwise the tail (masked past K)
+    const __mmask32 mask = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
+    _mm_prefetch(reinterpret_cast<const char*>(wr + k + Prefetch), _MM_HINT_T0);
+    const __m512bh wv = load_bf16(wr + k, mask);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], load_bf16(x + m * ldx + k, mask), wv);
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+    __m512 s = acc[m][0];
+#pragma GCC unroll 8
+    for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[m][u]);
+    y[m * ldy + n] = c10::BFloat16(_mm512_reduce_add_ps(s) + (bias ? bias[n] : 0.f)).x;
+  }
+}
+
+// Output columns n and n + 1 for M activation rows: each activation chunk loaded once for two weight rows, so
+// that a chunk's 2 M dot products take M + 2 loads (column<> takes 2 M for them). 2 M <= 16 accumulators.
+template <int M>
+inline void column_pair(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, const float* bias, uint16_t* y,
+                        int64_t ldy, int64_t n) {
+  __m512 a0[M], a1[M];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+  const uint16_t* w0 = w + n * K;
+  const uint16_t* w1 = w0 + K;
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 mask = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
+    _mm_prefetch(reinterpret_cast<const char*>(w0 + k + 4096), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w1 + k + 4096), _MM_HINT_T0);
+    const __m512bh v0 = load_bf16(w0 + k, mask), v1 = load_bf16(w1 + k, mask);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xv = load_bf16(x + m * ldx + k, mask);
+      a0[m] = _mm512_dpbf16_ps(a0[m], xv, v0);
+      a1[m] = _mm512_dpbf16_ps(a1[m], xv, v1);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+    y[m * ldy + n] = c10::BFloat16(_mm512_reduce_add_ps(a0[m]) + (bias ? bias[n] : 0.f)).x;
+    y[m * ldy + n + 1] = c10::BFloat16(_mm512_reduce_add_ps(a1[m]) + (bias ? bias[n + 1] : 0.f)).x;
+  }
+}
+
+template <int M>
+void column_pairs(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t n0, int64_t n1, int64_t K,
+                  const float* bias, uint16_t* y, int64_t ldy) {
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) column_pair<M>(x, ldx, w, K, bias, y, ldy, n);
+  if (n < n1) column<M, 1, 4096>(x, ldx, w, K, bias, y, ldy, n);
+}
+
+template <int M, int U, int64_t Prefetch>
+void columns(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t n0, int64_t n1, int64_t K, const float* bias,
+             uint16_t* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n) column<M, U, Prefetch>(x, ldx, w, K, bias, y, ldy, n);
+}
+
+// Weight rows n0 .. n1 for M <= 8 activation rows: up to 4 rows one weight row at a time, with the unrolling and
+// prefetch distance (elements) of the best of a sweep per row count (scripts/bench_linear.py); from 5 rows on
+// weight rows in pairs (column_pair: 1.06-1.16x at 6-16 rows on the Qwen3-0.6B shape's matrices, two threads,
+// a Xeon, session 10).
+void rows_upto8(int64_t M, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t n0, int64_t n1, int64_t K,
+                const float* bias, uint16_t* y, int64_t ldy) {
+  switch (M) {
+    case 1: columns<1, 4, 1024>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
+    case 2: columns<2, 4, 1024>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
+    case 3: columns<3, 2, 1024>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
+    case 4: columns<4, 2, 1024>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
+    case 5: column_pairs<5>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
+    case 6: column_pairs<6>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
+    case 7: column_pairs<7>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
+    default: column_pairs<8>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
+  }
+}
+
+// x [M, K] -> y [M, N], M <= 8 (the caller checked the shapes).
+void linear(const torch::Tensor& x, const torch::Tensor& w, const float* bias, torch::Tensor& y) {
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t ldx = x.stride(0);
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    if (M <= 8) return rows_upto8(M, xp, ldx, wp, n0, n1, K, bias, yp, N);
+    // More rows: groups of 8 over blocks of kRows weight rows, so that past the first group each weight row is
+    // read again from L1, not memory (group by group over the whole share would stream W once per group).
+    constexpr int64_t kRows = 8;
+    for (int64_t b0 = n0; b0 < n1; b0 += kRows)
+      for (int64_t m0 = 0; m0 < M; m0 += 8)
+        rows_upto8(std::min<int64_t>(8, M - m0), xp + m0 * ldx, ldx, wp, b0, std::min(n1, b0 + kRows), K, bias,
+                   yp + m0 * N, N);
+  });
+}
+
+}  // namespace dpbf16
+
+#endif
+
+// Rows are taken in groups (4 with AVX2, 8 with AVX-512 or AVX-512 BF16), each weight row re-read from L1 for the
+// next group, so past a few rows the kernel is a compute-bound GEMM; it stays ahead of aten's bf16 GEMM up to this
+// many (with AVX-512 BF16: 1.2x oneDNN's at 16 rows, 1.0x at 32; scripts/bench_linear.py, session 10).
+#if LEVERLAB_SKINNY_WIDEN  // (AVX-512 BF16 implies AVX2 + FMA)
+bool has_skinny_linear() { return true; }
+int64_t skinny_max_rows() { return 32; }
+#else  // no AVX2: callers check has_skinny_linear() and keep aten's linear
+bool has_skinny_linear() { return false; }
+int64_t skinny_max_rows() { return 0; }
+#endif
+
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: x [M, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "skinny_linear: bfloat16");
+  TORCH_CHECK(x.stride(1) == 1 && w.is_contiguous(), "skinny_linear: contiguous rows");
+  TORCH_CHECK(has_skinny_linear(), "skinny_linear needs AVX-512 BF16 or AVX2 + FMA");
+  const int64_t M = x.size(0), N = w.size(0);
+  TORCH_CHECK(M >= 1 && M <= skinny_max_rows(), "skinny_linear: 1..", skinny_max_rows(), " rows");
+  auto y = torch::empty({M, N}, x.options());
+  torch::Tensor b32;
+  const float* bp = bias_f32(bias, b32);
+#if LEVERLAB_SKINNY_DPBF16
+  // vdpbf16ps where the machine has it. (On a Sapphire/Emerald Rapids core it issues every other cycle, 43 GMAC/s
+  // measured, where two FMA ports could do 82; but the widening kernel below ran 0.5-0.6x as fast there at 8-16
+  // rows, bound by its activation loads, so it is kept for machines without AVX-512 BF16.)
+  dpbf16::linear(x, w, bp, y);
+#elif LEVERLAB_SKINNY_WIDEN
+  widen::linear(x, w, bp, y);
+#endif
   return y;
 }
 
-#else  // neither AVX-512 BF16 nor AVX2: callers check has_skinny_linear() and keep aten's linear
-
-bool has_skinny_linear() { return false; }
-int64_t skinny_max_rows() { return 0; }
-
-torch::Tensor skinny_linear(torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>) {
-  TORCH_CHECK(false, "skinny_linear needs AVX-512 BF16 or AVX2 + FMA");
-}
-
-#endif
 
 // The op that models call (leverlab_cpu::linear_bf16): our kernel for 1..skinny_max_rows() contiguous rows, aten's linear for
 // anything else (prefill chunks, larger batches). Registered with the dispatcher in C++ so that a call costs
