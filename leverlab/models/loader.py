@@ -68,8 +68,10 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.de
     load_weights(model, path)
     finish_quantization(quantized)
     if torch.device(device).type == "cpu":
+        # The prefetch first: the rows' timing below measures the streaming kernels, whose speed depends on it,
+        # so they are timed in the mode they will run in.
+        prefetch_tune.tune(model)  # how the kernels prefetch their weights, here (off / nta / t0)
         autotune.tune(quantized)  # how many rows each layer streams before fbgemm's GEMM is faster
-        prefetch_tune.tune(model)  # whether the kernels prefetch weights non-temporally, here
     model.quant_method = method
     return model.eval()
 
