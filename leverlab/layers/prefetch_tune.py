@@ -46,8 +46,15 @@ def _bytes(layer: Linear) -> int:
     return layer.weight.numel() * layer.weight.element_size()
 
 
+# The mode is one setting for the whole process, and a process can hold two models (a speculative draft model
+# beside its target): the larger one's weight stream dominates every step, so a smaller model loaded later keeps
+# the mode its elder measured (a draft that fits in L3 would otherwise pick its own mode for the target's stream).
+_largest_tuned = 0  # weight bytes of the largest model whose measurement set the mode
+
+
 def tune(model: torch.nn.Module) -> str | None:
-    """Set the kernels' prefetch mode for this model; returns it (None: not measured, the default kept)."""
+    """Set the kernels' prefetch mode for this model; returns it (None: not measured, the mode kept)."""
+    global _largest_tuned
     kern = cpu_kernels.kernels()
     if kern is None:
         return None
@@ -57,13 +64,15 @@ def tune(model: torch.nn.Module) -> str | None:
             raise ValueError(f"LEVERLAB_STREAM_PREFETCH must be one of {', '.join(MODES)}, not {forced!r}")
         kern.set_stream_prefetch(forced)
         return forced
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    model_bytes = sum(_bytes(m) for m in linears)
+    if not linears or model_bytes < _largest_tuned:
+        return None
     layers, total = [], 0
-    for m in model.modules():
-        if isinstance(m, Linear) and total < MAX_BYTES:
+    for m in linears:
+        if total < MAX_BYTES:
             layers.append(m)
             total += _bytes(m)
-    if not layers:
-        return None
     dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype (a quantized layer's weight is not)
     xs = [torch.randn(1, m.in_features, dtype=dtype) for m in layers]
 
@@ -94,6 +103,7 @@ def tune(model: torch.nn.Module) -> str | None:
     fastest = min(MODES, key=best.__getitem__)
     mode = fastest if best[fastest] < (1 - MARGIN) * best[DEFAULT] else DEFAULT
     kern.set_stream_prefetch(mode)
+    _largest_tuned = model_bytes
     log.info("weight prefetch %s: a pass over %d linear layers (%.0f MB) took %s", mode, len(layers), total / 1e6,
              ", ".join(f"{best[m] * 1e3:.2f} ms {m}" for m in MODES))
     return mode

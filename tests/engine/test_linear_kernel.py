@@ -63,8 +63,14 @@ def test_prefetch_is_measured_at_load_and_off_by_env(checkpoint_factory, monkeyp
     if kern is None:
         pytest.skip("no C++ kernels here")
     model = load_model(checkpoint_factory("qwen3"), "bfloat16")
+    monkeypatch.setattr(prefetch_tune, "_largest_tuned", 0)
     choice = prefetch_tune.tune(model)
     assert choice in ("nta", "t0", "off") and kern.stream_prefetch() == choice
+    # a smaller model loaded after it (a speculative draft) keeps the mode the larger one measured
+    kern.set_stream_prefetch("off" if choice != "off" else "t0")
+    held = kern.stream_prefetch()
+    draft = load_model(checkpoint_factory("qwen3", num_hidden_layers=1), "bfloat16")
+    assert prefetch_tune.tune(draft) is None and kern.stream_prefetch() == held
     monkeypatch.setenv("LEVERLAB_STREAM_PREFETCH", "t0")
     assert prefetch_tune.tune(model) == "t0" and kern.stream_prefetch() == "t0"
     monkeypatch.setenv("LEVERLAB_STREAM_PREFETCH", "sometimes")
