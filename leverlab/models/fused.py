@@ -22,7 +22,7 @@ from leverlab import env
 from leverlab.layers import cpu_kernels
 from leverlab.layers.attention import KERNEL_MAX_SPAN, AttentionMetadata
 from leverlab.models.decoder import CausalLM
-from leverlab.quant import autotune
+from leverlab.quant import autotune, int8_gemm
 from leverlab.quant.int8 import STREAMING_MAX_ROWS
 
 log = logging.getLogger("leverlab")
@@ -97,11 +97,28 @@ def _build(model: CausalLM, kv_caches, kv_cache_dtype: str, tp_size: int, kv_sca
     if kv_cache_dtype == "int8":
         dec.set_kv_scales(list(kv_scales))
     head_rows = _set_head(dec, model, dtype)
-    # Quantized linears stream; past the rows where that stops paying (measured at load, quant/autotune.py) the
-    # module path takes the step, each layer at its faster kernel (fbgemm's GEMM past its own crossover).
-    linears = [m for layer in model.model.layers for m in layer.modules() if getattr(m, "quant_method", None)]
-    rows = autotune.fused_rows(linears, len(model.model.layers)) if any(kinds) else None
-    return FusedForward(dec, max_tokens=rows, head_rows=head_rows)
+    return FusedForward(dec, max_tokens=_set_batched(dec, model) if any(kinds) else None, head_rows=head_rows)
+
+
+def _set_batched(dec, model: CausalLM) -> int | None:
+    """Give each quantized linear that has fbgemm's int8 GEMM beside its streaming kernel (quant/autotune.py:
+    eligible) that GEMM past the rows it streams, as the module path runs it; returns the most rows the fused
+    step takes (None: any). With every quantized linear covered, a step of any size keeps this path: at 16 rows
+    the module path's Python cost ~1 ms per decoder layer (autotune.module_cost_per_layer_s), a quarter of an
+    int4 step of the Qwen3-0.6B shape. Otherwise, past the rows where streaming every layer stops paying (measured
+    at load), the module path takes the step, each layer at its faster kernel."""
+    linears, covered = [], True
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        for j, lin in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            if lin.quant_method is None:
+                continue
+            linears.append(lin)
+            if autotune.eligible(lin):
+                dec.set_batched(i, j, int8_gemm.packed(lin.int8_key), lin.stream_rows, int8_gemm.REDUCE_RANGE)
+            else:
+                covered = False
+    return None if covered else autotune.fused_rows(linears, len(model.model.layers))
 
 
 def _set_head(dec, model: CausalLM, dtype: torch.dtype) -> int:

@@ -55,6 +55,11 @@ def pack(owner: object, q: torch.Tensor, scales: torch.Tensor) -> int:
     return key
 
 
+def packed(key: int) -> object:
+    """The prepacked fbgemm weight behind a key (for the fused decode path, which calls the op from C++)."""
+    return _PACKED[key]
+
+
 def unpack(key: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 [N, K], scales float32 [N]) of a packed weight."""
     qt, _ = torch.ops.quantized.linear_unpack(_PACKED[key])

@@ -105,6 +105,20 @@ def test_fused_forward_matches_modules_quantized(checkpoint_factory, method, dty
     torch.testing.assert_close(got, expected, atol=tol, rtol=1e-5 if dtype == torch.float32 else 0)
 
 
+@pytest.mark.parametrize("method", ("int8", "int4"))
+def test_fused_forward_takes_fbgemm_past_the_streaming_rows(checkpoint_factory, method, monkeypatch):
+    """Past a layer's streaming rows the fused step calls fbgemm's int8 GEMM from C++, op for op as the module path
+    does (quant/int8_gemm.py): the same bf16 result, bit for bit, and the fused path takes steps of any size."""
+    monkeypatch.setenv("LEVERLAB_STREAM_ROWS", "2")
+    model = load_model(checkpoint_factory("qwen2"), "bfloat16", quantization=method)
+    dec = fused.fused_decoder(model, [torch.zeros(1)] * model.config.num_layers, "auto", 1)
+    assert dec is not None and dec.max_tokens is None
+    expected, got = both_paths(model, torch.bfloat16, [3, 1, 5])  # 9 rows: every layer past its 2
+    assert torch.equal(got, expected)
+    expected, got = both_paths(model, torch.bfloat16, [1, 1])  # at its 2 rows, the streaming kernels as before
+    torch.testing.assert_close(got, expected, atol=3e-2 * expected.abs().max().item(), rtol=0)
+
+
 def test_int8_kernel_matches_dequantized_weight():
     kern = cpu_kernels.kernels()
     torch.manual_seed(0)

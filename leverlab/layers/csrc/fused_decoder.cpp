@@ -14,6 +14,7 @@
 // Shapes: T rows (the step's new tokens, sequence after sequence), H hidden, NH query heads, NKV KV heads, D
 // head size, I intermediate size.
 #include <torch/extension.h>
+#include <torch/csrc/jit/api/object.h>
 #include <algorithm>
 #include <cmath>
 #include <tuple>
@@ -34,9 +35,15 @@ namespace {
 // 1: int8 weight [N, K] with a float32 scale per output row, weight-only (3: the same with bf16/fp16 activations
 // quantized per 32-block for integer dot products); 2: int4 packed [N, K/2] with fp16 scales and zero points
 // (`scale`, [N, 2, K/g]).
+// A quantized layer may also have fbgemm's int8 x int8 GEMM (quant/int8_gemm.py) for more rows than it streams
+// (`stream_rows`, measured at load: quant/autotune.py): `packed` is its prepacked weight, called through the
+// dispatcher as the module path calls it, so that batches past the streaming kernels' crossover stay on this path.
 struct Lin {
   int64_t kind = 0;
   at::Tensor w, scale, bias;  // bias may be undefined
+  c10::IValue packed;  // None: no batched kernel
+  int64_t stream_rows = 0;
+  bool reduce_range = false;
 };
 
 struct Layer {
@@ -54,7 +61,20 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 
 namespace {
 
+// fbgemm's dynamic-quantization linear, op for op as quant/int8_gemm.py's int8_linear (each row divided by its
+// own max|x| first, the result scaled back) and the quant methods' apply (bias added in the activations' dtype).
+at::Tensor batched(const Lin& l, const at::Tensor& x) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("quantized::linear_dynamic", "");
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor r = xf.abs().amax({1}, true).clamp_min(1e-12);
+  torch::jit::Stack stack{c10::IValue(xf / r), l.packed, c10::IValue(l.reduce_range)};
+  op.callBoxed(&stack);
+  at::Tensor y = (stack[0].toTensor() * r).to(x.scalar_type());
+  return l.bias.defined() ? y + l.bias : y;
+}
+
 at::Tensor apply(const Lin& l, const at::Tensor& x) {
+  if (!l.packed.isNone() && x.size(0) > l.stream_rows) return batched(l, x);
   c10::optional<at::Tensor> b = l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt;
   if (l.kind == 1 || l.kind == 3) return int8_linear(x, l.w, l.scale, b, l.kind == 3);
   if (l.kind == 2) {  // the group size: K / (number of groups)
@@ -134,6 +154,17 @@ class FusedDecoder {
       TORCH_CHECK(kv_caches_[i].scalar_type() == at::kChar && scales[i].scalar_type() == at::kFloat &&
                       scales[i].is_contiguous(), "set_kv_scales: int8 caches, contiguous float32 scales");
     kv_scales_ = std::move(scales);
+  }
+
+  // Layer i's linear j (0 qkv, 1 o, 2 gate_up, 3 down) takes fbgemm's GEMM past stream_rows rows.
+  void set_batched(int64_t i, int64_t j, const torch::jit::Object& packed, int64_t stream_rows, bool reduce_range) {
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers_.size()) && j >= 0 && j < 4, "set_batched: layer, linear");
+    Layer& l = layers_[i];
+    Lin* lins[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+    lins[j]->packed = c10::IValue(packed._ivalue());
+    TORCH_CHECK(lins[j]->packed.isObject(), "set_batched: a prepacked fbgemm weight (quantized::linear_prepack)");
+    lins[j]->stream_rows = stream_rows;
+    lins[j]->reduce_range = reduce_range;
   }
 
   void set_head(int64_t kind, at::Tensor w, c10::optional<at::Tensor> scale) {
@@ -286,6 +317,9 @@ void bind_fused_decoder(pybind11::module& m) {
       // The GIL is released for the forward: the server's event loop (another thread) writes the previous
       // step's tokens to their streams while this step computes, instead of waiting for it.
       .def("set_head", &FusedDecoder::set_head, "kind, weight, scale or None: the output head for step()")
+      .def("set_batched", &FusedDecoder::set_batched,
+           "layer, linear (0 qkv, 1 o, 2 gate_up, 3 down), fbgemm packed weight, stream_rows, reduce_range: past "
+           "stream_rows rows that linear takes fbgemm's int8 GEMM")
       .def("set_kv_scales", &FusedDecoder::set_kv_scales, "per layer [2, num_blocks, block_size, NKV] float32: "
            "the caches are int8 (--kv-cache-dtype int8)")
       .def("set_aux_layers", &FusedDecoder::set_aux_layers, "layer indices whose outputs the next steps return")
