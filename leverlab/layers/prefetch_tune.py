@@ -64,15 +64,15 @@ def tune(model: torch.nn.Module) -> str | None:
             raise ValueError(f"LEVERLAB_STREAM_PREFETCH must be one of {', '.join(MODES)}, not {forced!r}")
         kern.set_stream_prefetch(forced)
         return forced
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    model_bytes = sum(_bytes(m) for m in linears)
+    linears = [(m, _bytes(m)) for m in model.modules() if isinstance(m, Linear)]
+    model_bytes = sum(b for _, b in linears)
     if not linears or model_bytes < _largest_tuned:
         return None
     layers, total = [], 0
-    for m in linears:
+    for m, b in linears:
         if total < MAX_BYTES:
             layers.append(m)
-            total += _bytes(m)
+            total += b
     dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype (a quantized layer's weight is not)
     xs = [torch.randn(1, m.in_features, dtype=dtype) for m in layers]
 

@@ -73,14 +73,17 @@ def _build(model: CausalLM, kv_caches, kv_cache_dtype: str, tp_size: int, kv_sca
     cfg = model.config
     dtype = model.model.embed_tokens.weight.dtype  # the C++ side runs every float tensor in this one dtype
     layers, kinds, windows = [], [], []
-    for layer in model.model.layers:
+    quantized = []  # (layer index, linear index in the C++ order, layer) of every quantized linear
+    for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                    attn.q_norm.weight if attn.q_norm is not None else None,
                    attn.k_norm.weight if attn.k_norm is not None else None]
         if any(t is not None and t.dtype != dtype for t in tensors) or model.model.norm.weight.dtype != dtype:
             raise _NotFused("norm weights in another dtype than the model's")
-        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        for j, lin in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            if lin.quant_method is not None:
+                quantized.append((i, j, lin))
             kind, ts = _linear(lin)
             if kind == 0 and ts[0].dtype != dtype:
                 raise _NotFused("weights in mixed float dtypes")
@@ -97,28 +100,24 @@ def _build(model: CausalLM, kv_caches, kv_cache_dtype: str, tp_size: int, kv_sca
     if kv_cache_dtype == "int8":
         dec.set_kv_scales(list(kv_scales))
     head_rows = _set_head(dec, model, dtype)
-    return FusedForward(dec, max_tokens=_set_batched(dec, model) if any(kinds) else None, head_rows=head_rows)
+    rows = _set_batched(dec, quantized, len(model.model.layers)) if quantized else None
+    return FusedForward(dec, max_tokens=rows, head_rows=head_rows)
 
 
-def _set_batched(dec, model: CausalLM) -> int | None:
+def _set_batched(dec, quantized: list, num_layers: int) -> int | None:
     """Give each quantized linear that has fbgemm's int8 GEMM beside its streaming kernel (quant/autotune.py:
     eligible) that GEMM past the rows it streams, as the module path runs it; returns the most rows the fused
     step takes (None: any). With every quantized linear covered, a step of any size keeps this path: at 16 rows
     the module path's Python cost ~1 ms per decoder layer (autotune.module_cost_per_layer_s), a quarter of an
     int4 step of the Qwen3-0.6B shape. Otherwise, past the rows where streaming every layer stops paying (measured
     at load), the module path takes the step, each layer at its faster kernel."""
-    linears, covered = [], True
-    for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        for j, lin in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-            if lin.quant_method is None:
-                continue
-            linears.append(lin)
-            if autotune.eligible(lin):
-                dec.set_batched(i, j, int8_gemm.packed(lin.int8_key), lin.stream_rows, int8_gemm.REDUCE_RANGE)
-            else:
-                covered = False
-    return None if covered else autotune.fused_rows(linears, len(model.model.layers))
+    covered = True
+    for i, j, lin in quantized:
+        if autotune.eligible(lin):
+            dec.set_batched(i, j, int8_gemm.packed(lin.int8_key), lin.stream_rows, int8_gemm.REDUCE_RANGE)
+        else:
+            covered = False
+    return None if covered else autotune.fused_rows([lin for _, _, lin in quantized], num_layers)
 
 
 def _set_head(dec, model: CausalLM, dtype: torch.dtype) -> int:
