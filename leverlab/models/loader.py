@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from leverlab.distributed.parallel_state import TPState, check_model, use_tp
 from leverlab.errors import UnsupportedLever
-from leverlab.layers import prefetch_tune
+from leverlab.layers import huge_pages, prefetch_tune
 from leverlab.layers.linear import Linear
 from leverlab.layers.parallel import VocabParallelEmbedding
 from leverlab.models.config import ModelConfig
@@ -68,6 +68,7 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.de
     load_weights(model, path)
     finish_quantization(quantized)
     if torch.device(device).type == "cpu":
+        huge_pages.move_to_huge_pages(model)  # before anything times the weights or keeps pointers to them
         # The prefetch first: the rows' timing below measures the streaming kernels, whose speed depends on it,
         # so they are timed in the mode they will run in.
         prefetch_tune.tune(model)  # how the kernels prefetch their weights, here (off / nta / t0)
