@@ -38,7 +38,7 @@ THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 def _release_freed() -> None:
     """Hands the old copies' memory back to the system. glibc keeps freed blocks under its (adaptive, up to
     32 MB) mmap threshold in its heap, so without this the process kept most of them: +400 MB resident for the
-    int8 0.6B shape (VmRSS after loading, with and without the move), and its peak 1.1 GB higher."""
+    int8 0.6B shape (VmRSS after loading, with and without the move)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: its allocator returns memory its own way

@@ -29,7 +29,8 @@ CHECKPOINT_ONLY = ("awq", "gptq")
 
 # --lm-head-quantization values. "auto": int8 for the int8/int4 methods (the tied head of a small model is a large
 # share of a step's bytes: a fifth of the bundled model, a quarter of Qwen3-0.6B; llama.cpp's Q4_0 files keep it
-# above 4 bits too: Q6_K where rows are a multiple of 256 long, else Q8_0), the model dtype otherwise (fp8; AWQ/GPTQ checkpoints, whose own heads vLLM keeps as they are);
+# above 4 bits too: Q6_K where rows are a multiple of 256 long, else Q8_0), the model dtype otherwise (fp8;
+# AWQ/GPTQ checkpoints, whose own heads vLLM keeps as they are);
 # "none": the model dtype; "int8": int8 whatever the method; "same": the method's own kernel (int4+head).
 LM_HEAD_QUANTIZATION = ("auto", "none", "int8", "same")
 
