@@ -119,6 +119,13 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def long_checkpoint(tmp_path_factory) -> Path:
+    """The same shape with room for 8,192 positions: streams that must still be running when a test kills a
+    process ask for thousands of tokens (the tiny model makes 480 in 0.3 s)."""
+    return make_checkpoint(tmp_path_factory.mktemp("long") / "tiny-qwen3", arch="qwen3", max_position_embeddings=8192)
+
+
+@pytest.fixture(scope="session")
 def start_server(tmp_path_factory, checkpoint):
     """Factory: start_server(*flags, env=None, ckpt=None) -> ServerProcess serving `ckpt` (the session's tiny
     checkpoint by default); all stopped at the end of the session."""

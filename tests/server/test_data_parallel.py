@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import threading
+import time
 
 import httpx
 import openai
@@ -75,18 +76,24 @@ def dp_server_tokens(server, text: str) -> list[int]:
     return httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": text}, timeout=10).json()["tokens"]
 
 
-def test_killed_replica_fails_only_its_requests(start_server):
-    server = start_server("--data-parallel-size", "2")
+LONG = 4000  # tokens a stream asks for: ~5 s on the tiny model, where 480 took 0.3 s and could end before the kill
+
+
+def test_killed_replica_fails_only_its_requests(start_server, long_checkpoint):
+    server = start_server("--data-parallel-size", "2", ckpt=long_checkpoint)
     pids = {r["index"]: r["pid"] for r in httpx.get(server.url + "/health", timeout=5).json()["replicas"]}
     c = client(server)
     # Two streams in flight: the second goes to the other replica (the first's is busier).
-    streams = [c.completions.create(model=MODEL, prompt=p, max_tokens=480, temperature=0, stream=True,
+    streams = [c.completions.create(model=MODEL, prompt=p, max_tokens=LONG, temperature=0, stream=True,
                                     stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
                for p in PROMPTS[:2]]
     firsts = []
     for s in streams:
         firsts.append(next(iter(s)))
-    running = per_replica(server, "leverlab_replica_num_requests_running")
+    deadline = time.monotonic() + 2  # replicas report their stats every 0.1 s while busy
+    while (running := per_replica(server, "leverlab_replica_num_requests_running")) != {"0": 1.0, "1": 1.0}:
+        assert time.monotonic() < deadline, running  # both in flight, one on each replica, when the kill comes
+        time.sleep(0.05)
     os.kill(pids[0], signal.SIGKILL)
     results: list[str | int] = [None, None]
 
@@ -106,7 +113,7 @@ def test_killed_replica_fails_only_its_requests(start_server):
     ok = [r for r in results if isinstance(r, int)]
     assert len(failed) == 1 and len(ok) == 1, (results, running)
     assert "replica 0" in failed[0] and "died" in failed[0]
-    assert ok[0] == 480  # the other replica's stream ran to its end
+    assert ok[0] == LONG  # the other replica's stream ran to its end
     health = httpx.get(server.url + "/health", timeout=5)
     assert health.status_code == 200
     body = health.json()

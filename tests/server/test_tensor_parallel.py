@@ -56,11 +56,11 @@ def test_serves_through_openai_client(tp_server):
     assert m["leverlab_engine_tp_allreduce_seconds_total"] > 0
 
 
-def test_killed_worker_fails_request_and_health(start_server):
-    server = start_server("--tensor-parallel-size", "2")
+def test_killed_worker_fails_request_and_health(start_server, long_checkpoint):
+    server = start_server("--tensor-parallel-size", "2", ckpt=long_checkpoint)
     (pid,) = worker_pids(server.proc.pid)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    stream = client.completions.create(model=MODEL, prompt="hello", max_tokens=480, temperature=0, stream=True,
+    stream = client.completions.create(model=MODEL, prompt="hello", max_tokens=4000, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     next(iter(stream))  # in flight
     os.kill(pid, signal.SIGKILL)
