@@ -144,12 +144,16 @@ class SpecDecoder:
         if sum(result.rows_per_seq) != batch.num_tokens:
             return  # some rows were prefill: not decode-only
         drafted = any(r > 1 for r in result.rows_per_seq)
-        if (self._arm and not drafted and self.proposer.needs_features) or (not self._arm and self._captured):
+        seconds = time.perf_counter() - self._t0
+        if not self._arm and self._captured:  # a plain step that captured: part of what a probe costs
+            self.gate.observe_capture(self._n, seconds)
+            return
+        if self._arm and not drafted and self.proposer.needs_features:
             # Not the arm as it is: a step that could not draft for want of features (the one before it did
-            # not capture), a plain step that captured. An n-gram step without matches is the arm as it is.
+            # not capture). An n-gram step without matches is the arm as it is.
             return
         tokens = sum(len(t) for _, t, _ in emitted)
-        self.gate.observe_step(self._n, self._arm, tokens, time.perf_counter() - self._t0)
+        self.gate.observe_step(self._n, self._arm, tokens, seconds)
 
     def release(self, seq: Sequence) -> None:
         self.draft_probs.pop(seq.seq_id, None)

@@ -4,17 +4,22 @@ No cost model. Two arms per bucket: speculate (K = num_speculative_tokens) or pl
 throughput is measured on the engine's own decode-only steps (tokens emitted / whole-step seconds, drafting,
 verification and output included), as the median of its last WINDOW steps: on a shared machine a step now
 and then takes several times its usual time (another process got the core), and a mean would let one such
-step flip the decision for a long while. The bucket runs the better arm; every PROBE_EVERY of its steps it
-runs the other arm for RUN steps, so the comparison follows changes in acceptance (a different workload) and
-in cost (other load on the machine), and the acceptance statistics stay fresh. A new bucket first measures
-both arms RUN times each (for a bounded number of steps); an arm with no measurement yet counts as slower.
+step flip the decision for a long while. The bucket runs the better arm; now and then it runs the other arm
+for RUN steps (a probe), so the comparison follows changes in acceptance (a different workload) and in cost
+(other load on the machine), and the acceptance statistics stay fresh. How often is set by what a probe
+costs, as measured: the time a probe run loses against the better arm (and, for EAGLE, the extra time of the
+plain steps that capture features for it) is kept to BUDGET of the time between probes, so a loser far
+behind is probed seldom (at most every MAX_PERIOD decisions) and one close behind about every PROBE_EVERY. A
+new bucket first measures both arms RUN times each (for a bounded number of steps); an arm with no
+measurement yet counts as slower.
 A wrong foretelling (capture_next) costs one step's capture or one step's drafts, never a token: those
 steps are left out of the measurements.
 
 Why it cannot lose much: while the gate is shut a step is a plain step (no drafting, no feature capture, no
-aux output: the decoder switches the runner's capture off), and the losing arm only runs RUN of every
-PROBE_EVERY + RUN steps. A proposer that drafts from features (EAGLE) needs the step before a speculating run
-to capture them: that step is plain but captures (`capture_next`).
+aux output: the decoder switches the runner's capture off), and probing the losing arm is held to BUDGET of
+the time by its measured cost (at most RUN of every PROBE_EVERY + RUN steps). A proposer that drafts from
+features (EAGLE) needs the steps before a speculating run to capture them: those steps are plain but capture
+(`capture_next`), and are measured apart (what a probe costs), not as the plain arm.
 
 Buckets: round(log2(decoding sequences)), so 6-11 sequences share one (a batch drifts by one or two as
 requests come and go under continuous arrivals).
@@ -28,24 +33,33 @@ from collections import deque
 from dataclasses import dataclass, field
 
 WINDOW = 16
+BUDGET = 0.015  # the share of a bucket's time that probing the losing arm may cost
+MAX_PERIOD = 2048  # decisions between probes, at most (acceptance and cost still get re-measured)
 
 
 @dataclass
 class _Arm:
     recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # tokens/s of its last steps
+    seconds: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # and their durations
     samples: int = 0
     rate: float = 0.0  # median of `recent` (0 before any step: an unmeasured arm counts as slower)
+    step_s: float = 0.0  # median of `seconds`
 
     def add(self, tokens: int, seconds: float) -> None:
         self.recent.append(tokens / seconds)
+        self.seconds.append(seconds)
         self.samples += 1
         self.rate = statistics.median(self.recent)
+        self.step_s = statistics.median(self.seconds)
 
 
 @dataclass
 class _Bucket:
     arms: dict[bool, _Arm] = field(default_factory=lambda: {True: _Arm(), False: _Arm()})
+    capture: _Arm = field(default_factory=_Arm)  # plain steps that captured features for a speculating run
     steps: int = 0  # decisions made in this bucket
+    last_probe: int = 0  # the decision at which the latest probe run started
+    probes: int = 0  # probe runs started (after the first tries)
     run_arm: bool | None = None  # the arm of the run in progress (probe or first tries)
     run_left: int = 0
     last_arm: bool | None = None  # the latest decision
@@ -56,8 +70,8 @@ class _Bucket:
 
 
 class ThroughputGate:
-    RUN = 4  # measured steps per probe run (and per first try)
-    PROBE_EVERY = 48  # steps of the winning arm between probe runs of the other
+    RUN = 4  # measured steps per run, probe or first try (a plain run's last is not where it captures for EAGLE)
+    PROBE_EVERY = 48  # steps of the winning arm between probe runs of the other, at least
     # A head drafting from features (EAGLE) has seen none while the gate was shut: its first drafts after that
     # gap come from little recent context and are accepted less often than in a steady speculating stretch.
     # The first WARM speculating steps after plain ones are therefore run but not measured.
@@ -68,8 +82,9 @@ class ThroughputGate:
         self.needs_capture = needs_capture
         self.warm = self.WARM if needs_capture else 0
         self.run = self.RUN + self.warm  # steps per speculating run
-        # Decisions between probe starts: longer runs are started less often, so the losing arm keeps
-        # about the same share of steps (RUN / (PROBE_EVERY + RUN), 8%) either way.
+        # Decisions between probe starts, at least: longer runs are started less often, so the losing arm
+        # keeps at most the same share of steps (RUN / (PROBE_EVERY + RUN), 8%) either way. probe_period()
+        # stretches it where a probe costs more than BUDGET of that.
         self.period = (self.PROBE_EVERY + self.RUN) * self.run // self.RUN
         self.buckets: dict[int, _Bucket] = {}
         self.acceptance = 0.5  # running share of drafted tokens accepted (per position tried)
@@ -86,7 +101,26 @@ class ThroughputGate:
             for arm in (True, False):  # do not count, hence a bound rather than a fixed schedule)
                 if b.arms[arm].samples + (pending is arm) < self.RUN:
                     return arm
-        return (not b.best()) if steps % self.period == 0 else None
+        return (not b.best()) if steps >= b.last_probe + self.probe_period(b) else None
+
+    def probe_period(self, b: _Bucket) -> int:
+        """Decisions from one probe run's start to the next, so that probing costs about BUDGET of the time.
+        A probe of the loser runs `run` of its steps, each losing (1 - its rate / the winner's) of its time; a
+        speculating probe also has LEAD plain steps before it that capture features, each costing what a
+        capturing step takes over a plain one.
+        Taken from the measurements as they are at each decision: the probe that just ran counts. The first
+        probe comes after `period` whatever the first tries measured: a few unrepresentative steps (an n-gram
+        arm before the output repeats itself) must not shut a bucket for long."""
+        if b.probes == 0:
+            return self.period
+        best = b.best()
+        win, lose = b.arms[best], b.arms[not best]
+        if not (win.rate > 0 and lose.rate > 0 and win.step_s > 0):
+            return self.period
+        lost = (self.run if not best else self.RUN) * lose.step_s * max(0.0, 1 - lose.rate / win.rate)
+        if not best and self.needs_capture and b.capture.samples:
+            lost += self.LEAD * max(0.0, b.capture.step_s - win.step_s)
+        return int(min(MAX_PERIOD, max(self.period, lost / (BUDGET * win.step_s))))
 
     def decide(self, num_seqs: int) -> bool:
         """Speculate this step? num_seqs: decoding sequences this step. O(1): a dict lookup and counters."""
@@ -97,6 +131,9 @@ class ThroughputGate:
         if b.run_left <= 0:
             b.run_arm = self._next_run(b, b.steps)
             b.run_left = 0 if b.run_arm is None else self.run if b.run_arm else self.RUN
+            if b.run_arm is not None and b.steps > 16 * self.RUN:
+                b.last_probe = b.steps
+                b.probes += 1
         if b.run_arm is not None:
             b.run_left -= 1
             arm = b.run_arm
@@ -115,8 +152,16 @@ class ThroughputGate:
         b = self.buckets.get(self.bucket_of(num_seqs))
         if b is None:
             return True
+        if b.run_left > 0:
+            # In a run: a speculating one goes on; a plain one (a probe or a first try) measures plain steps, and
+            # a capturing step is not one, so only its last step may capture (below) for what follows.
+            return bool(b.run_arm)
+        if b.steps >= 16 * self.RUN:
+            # The first tries are over: the next LEAD decisions follow the best arm until the next probe (of
+            # the other) starts, at last_probe + probe_period. O(1).
+            return b.best() or b.steps + self.LEAD >= b.last_probe + self.probe_period(b)
         steps, arm, left = b.steps, b.run_arm, b.run_left
-        for j in range(self.LEAD):  # the next decisions, as decide() will take them
+        for j in range(self.LEAD):  # a new bucket's first tries: the next decisions, as decide() will take them
             steps += 1
             if left <= 0:
                 arm = self._next_run(b, steps, b.last_arm if j == 0 else None)
@@ -137,6 +182,12 @@ class ThroughputGate:
         if b is None or seconds <= 0 or (speculated and b.spec_streak <= self.warm):
             return  # (a speculating step right after plain ones: the head is still warming up)
         b.arms[speculated].add(tokens, seconds)
+
+    def observe_capture(self, num_seqs: int, seconds: float) -> None:
+        """A decode-only plain step that captured features for a coming speculating run (what it costs)."""
+        b = self.buckets.get(self.bucket_of(num_seqs))
+        if b is not None and seconds > 0:
+            b.capture.add(num_seqs, seconds)
 
     def observe_verify(self, drafted: int, accepted: int) -> None:
         tried = min(accepted + 1, drafted)

@@ -135,13 +135,20 @@ def test_gate_runs_the_faster_arm_per_batch_size_and_keeps_probing():
             arm = g.decide(n)
             picks[n].append(arm)
             # One step in 20 takes 5x as long (another process had the core): the decision must not follow it.
-            g.observe_step(n, arm, tokens=round(speed[n][arm] * 100), seconds=5.0 if rng.random() < 0.05 else 1.0)
+            seconds = 5.0 if rng.random() < 0.05 else 1.0
+            if not arm and g.capture_next(n):  # as the decoder does: a capturing plain step is not the plain arm
+                g.observe_capture(n, seconds)
+            else:
+                g.observe_step(n, arm, tokens=round(speed[n][arm] * 100), seconds=seconds)
     late = {n: picks[n][100:] for n in picks}
     assert sum(late[1]) / len(late[1]) > 0.9  # mostly speculating where it pays
     assert sum(late[16]) / len(late[16]) < 0.1  # mostly plain where it does not
     assert any(late[16]), "the losing arm is still probed now and then (acceptance stays fresh)"
     rates = g.rates()
     assert rates[0][0] > rates[0][1] and rates[4][0] < rates[4][1]
+    # where speculating wins, the plain probes are measured too (their steps do not capture features, bar the
+    # last, which captures for the speculating steps after it)
+    assert g.buckets[0].arms[False].samples >= 4 + 3 * 4  # the first tries, then 3 of each probe run of 4
     # capture_next (asked after this step's decision) looks ahead: the LEAD steps before a speculating run
     # capture features for it (EAGLE), and the other plain steps do not.
     g2 = ThroughputGate(needs_capture=True)
@@ -156,6 +163,38 @@ def test_gate_runs_the_faster_arm_per_batch_size_and_keeps_probing():
             assert captures[i], i  # the step before a speculating one captured
     assert 0 < sum(captures[100:]) <= 0.25 * len(captures[100:])  # mostly shut at 16: captures are rare
     assert ThroughputGate(needs_capture=False).capture_next(4) is False
+
+
+def test_gate_probes_a_far_losing_arm_seldom():
+    """Probing costs about BUDGET of the time, as measured: a speculating arm at half the plain rate (and the
+    plain steps that capture features for it, 1.3x a plain step) is probed far less often than one close
+    behind, but still probed."""
+    from leverlab.spec.gate import BUDGET, ThroughputGate
+
+    def run(spec_rate: float, steps: int = 3000) -> tuple[float, list[bool]]:
+        g = ThroughputGate(needs_capture=True)
+        arms, spent, lost = [], 0.0, 0.0
+        for _ in range(steps):
+            arm = g.decide(2)
+            captures = g.capture_next(2)
+            arms.append(arm)
+            seconds = 2.0 / spec_rate * 2.5 if arm else 1.3 if captures else 1.0  # plain: 2 tokens a second
+            tokens = 5 if arm else 2
+            if arm or captures:
+                lost += seconds - tokens / 2.0  # against emitting the same tokens plainly
+            spent += seconds
+            if captures and not arm:
+                g.observe_capture(2, seconds)
+            else:
+                g.observe_step(2, arm, tokens, seconds)
+        return lost / spent, arms
+
+    far_loss, far = run(1.0)  # speculating: 1 token a second, half the plain rate
+    near_loss, near = run(1.8)  # 0.9x the plain rate
+    late_far, late_near = sum(far[200:]), sum(near[200:])
+    assert 0 < late_far < late_near / 3  # the far loser is still probed, and much less often
+    assert far_loss < 2.5 * BUDGET  # exploration of the new bucket included
+    assert near_loss < 2.5 * BUDGET
 
 
 def test_shut_gate_costs_what_a_plain_step_costs(checkpoint_factory, tmp_path):
