@@ -108,6 +108,18 @@ def _nbytes(t: torch.Tensor) -> int:
     return (t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN
 
 
+def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
+    """A uint8 tensor of nbytes in memory madvised for huge pages, starting at a 2 MB boundary, as the weights
+    are after move_to_huge_pages (None where THP is off or not here)."""
+    if thp_mode() in ("never", "none"):
+        return None
+    arena = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arena.madvise(mmap.MADV_HUGEPAGE)
+    base = torch.frombuffer(arena, dtype=torch.uint8)  # the view keeps the mapping alive
+    start = -base.data_ptr() % HUGE
+    return base[start:start + nbytes]
+
+
 def move_to_huge_pages(model: torch.nn.Module) -> int:
     """Moves the model's CPU weights into one huge-page arena; returns the bytes moved (0: nothing moved)."""
     mode = thp_mode()

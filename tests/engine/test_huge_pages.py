@@ -41,3 +41,18 @@ def test_weights_move_into_one_arena_and_outputs_stay(checkpoint_factory, monkey
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     ids = torch.tensor([1, 5, 9, 2, 7, 3])
     assert torch.equal(_logits(before, ids), _logits(model, ids))
+
+
+def test_huge_page_buffer_and_the_bandwidth_it_reads(monkeypatch):
+    """The roofline's bandwidth is read in huge-page memory too, where the weights are (a 4 KB-page read alone sat
+    below what the kernels reached)."""
+    from leverlab.study.bandwidth import measure_bandwidth
+
+    if huge_pages.thp_mode() not in ("never", "none"):
+        b = huge_pages.huge_page_buffer(3 << 20)
+        assert b.dtype == torch.uint8 and b.numel() == 3 << 20 and b.data_ptr() % huge_pages.HUGE == 0
+        b.fill_(7)
+        assert int(b[-1]) == 7
+    monkeypatch.setattr(huge_pages, "thp_mode", lambda: "never")
+    assert huge_pages.huge_page_buffer(1 << 20) is None
+    assert measure_bandwidth(1, gib=1 / 64, reps=1) > 0  # 4 KB pages only, then
