@@ -135,10 +135,7 @@ def move_to_huge_pages(model: torch.nn.Module) -> int:
             size += _nbytes(t)
     if size == 0:
         return 0
-    arena = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    arena.madvise(mmap.MADV_HUGEPAGE)
-    base = torch.frombuffer(arena, dtype=torch.uint8)  # the views below keep the mapping alive
-    start = -base.data_ptr() % HUGE
+    base = huge_page_buffer(size)  # the views below keep the mapping alive
     moved: dict[tuple, torch.Tensor] = {}  # old key -> its new tensor (tied weights met again)
     since_trim = 0
     with torch.no_grad():
@@ -148,7 +145,7 @@ def move_to_huge_pages(model: torch.nn.Module) -> int:
                 continue  # a tied Parameter met a second time: moved already
             new = moved.get(_key(t))
             if new is None:
-                off = start + offsets[_key(t)]
+                off = offsets[_key(t)]
                 new = base[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                 new.copy_(t)
                 moved[_key(t)] = new

@@ -58,8 +58,7 @@ class _Bucket:
     arms: dict[bool, _Arm] = field(default_factory=lambda: {True: _Arm(), False: _Arm()})
     capture: _Arm = field(default_factory=_Arm)  # plain steps that captured features for a speculating run
     steps: int = 0  # decisions made in this bucket
-    last_probe: int = 0  # the decision at which the latest probe run started
-    probes: int = 0  # probe runs started (after the first tries)
+    last_probe: int = 0  # the decision at which the latest probe run started (0: none yet)
     run_arm: bool | None = None  # the arm of the run in progress (probe or first tries)
     run_left: int = 0
     last_arm: bool | None = None  # the latest decision
@@ -86,6 +85,7 @@ class ThroughputGate:
         # keeps at most the same share of steps (RUN / (PROBE_EVERY + RUN), 8%) either way. probe_period()
         # stretches it where a probe costs more than BUDGET of that.
         self.period = (self.PROBE_EVERY + self.RUN) * self.run // self.RUN
+        self.first_tries = 16 * self.RUN  # decisions within which a new bucket's first tries may fall
         self.buckets: dict[int, _Bucket] = {}
         self.acceptance = 0.5  # running share of drafted tokens accepted (per position tried)
         self.steps = {True: 0, False: 0}  # steps run per arm (exported as counters)
@@ -97,7 +97,7 @@ class ThroughputGate:
     def _next_run(self, b: _Bucket, steps: int, pending: bool | None = None) -> bool | None:
         """The arm a run starting at decision number `steps` would take (None: no run, follow the best).
         pending: the arm of a step decided but not measured yet (capture_next looks one step ahead)."""
-        if steps <= 16 * self.RUN:  # a new bucket first measures each arm RUN times (steps that prefill
+        if steps <= self.first_tries:  # a new bucket first measures each arm RUN times (steps that prefill
             for arm in (True, False):  # do not count, hence a bound rather than a fixed schedule)
                 if b.arms[arm].samples + (pending is arm) < self.RUN:
                     return arm
@@ -111,7 +111,7 @@ class ThroughputGate:
         Taken from the measurements as they are at each decision: the probe that just ran counts. The first
         probe comes after `period` whatever the first tries measured: a few unrepresentative steps (an n-gram
         arm before the output repeats itself) must not shut a bucket for long."""
-        if b.probes == 0:
+        if b.last_probe == 0:
             return self.period
         best = b.best()
         win, lose = b.arms[best], b.arms[not best]
@@ -131,9 +131,8 @@ class ThroughputGate:
         if b.run_left <= 0:
             b.run_arm = self._next_run(b, b.steps)
             b.run_left = 0 if b.run_arm is None else self.run if b.run_arm else self.RUN
-            if b.run_arm is not None and b.steps > 16 * self.RUN:
+            if b.run_arm is not None and b.steps > self.first_tries:
                 b.last_probe = b.steps
-                b.probes += 1
         if b.run_arm is not None:
             b.run_left -= 1
             arm = b.run_arm
@@ -156,7 +155,7 @@ class ThroughputGate:
             # In a run: a speculating one goes on; a plain one (a probe or a first try) measures plain steps, and
             # a capturing step is not one, so only its last step may capture (below) for what follows.
             return bool(b.run_arm)
-        if b.steps >= 16 * self.RUN:
+        if b.steps >= self.first_tries:
             # The first tries are over: the next LEAD decisions follow the best arm until the next probe (of
             # the other) starts, at last_probe + probe_period. O(1).
             return b.best() or b.steps + self.LEAD >= b.last_probe + self.probe_period(b)

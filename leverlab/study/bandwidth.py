@@ -20,19 +20,18 @@ def measure_bandwidth(threads: int | None = None, gib: float = 1.0, reps: int = 
     if threads:
         torch.set_num_threads(threads)
     n = int(gib * 2**30) // 4
-    best = float("inf")
-    for kind in ("4k", "huge"):  # one buffer at a time: the peak stays at one
-        if kind == "4k":
-            x = torch.ones(n, dtype=torch.float32)
-        else:
-            h = huge_page_buffer(n * 4)
-            if h is None:
-                break
-            x = h.view(torch.float32).fill_(1.0)
+
+    def best_pass(x) -> float:
         x.sum()
+        best = float("inf")
         for _ in range(reps):
             t0 = time.perf_counter()
             x.sum()
             best = min(best, time.perf_counter() - t0)
-        del x
+        return best
+
+    best = best_pass(torch.ones(n, dtype=torch.float32))  # freed before the next: the peak stays at one buffer
+    huge = huge_page_buffer(n * 4)
+    if huge is not None:
+        best = min(best, best_pass(huge.view(torch.float32).fill_(1.0)))
     return n * 4 / best / 1e9
