@@ -2,11 +2,13 @@
 
 No cost model. Two arms per bucket: speculate (K = num_speculative_tokens) or plain decoding. Each arm's
 throughput is measured on the engine's own decode-only steps (tokens emitted / whole-step seconds, drafting,
-verification and output included), as the median of its last WINDOW steps: on a shared machine a step now
-and then takes several times its usual time (another process got the core), and a mean would let one such
-step flip the decision for a long while. The bucket runs the better arm; now and then it runs the other arm
-for RUN steps (a probe), so the comparison follows changes in acceptance (a different workload) and in cost
-(other load on the machine), and the acceptance statistics stay fresh. How often is set by what a probe
+verification and output included), over its last WINDOW steps: their tokens over their seconds, each step's
+seconds capped at OUTLIER times the median step (on a shared machine a step now and then takes several times
+its usual time: another process got the core, and one such step must not flip the decision). WINDOW is long
+because a speculating arm's yield varies from step to step: over 16 steps a 3-tokens-a-step n-gram arm read
+below a 2-token plain one often enough to stay shut for hundreds of steps. The bucket runs the better arm; now
+and then it runs the other arm for RUN steps (a probe), so the comparison follows changes in acceptance (a
+different workload) and in cost (other load on the machine), and the acceptance statistics stay fresh. How often is set by what a probe
 costs, as measured: the time a probe run loses against the better arm (and, for EAGLE, the extra time of the
 plain steps that capture features for it) is kept to BUDGET of the time between probes, so a loser far
 behind is probed seldom (at most every MAX_PERIOD decisions) and one close behind about every PROBE_EVERY. A
@@ -32,25 +34,40 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-WINDOW = 16
+WINDOW = 64
 BUDGET = 0.015  # the share of a bucket's time that probing the losing arm may cost
 MAX_PERIOD = 2048  # decisions between probes, at most (acceptance and cost still get re-measured)
+OUTLIER = 2.0  # a step counts at most this many median step times in an arm's throughput
 
 
 @dataclass
 class _Arm:
-    recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # tokens/s of its last steps
-    seconds: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # and their durations
+    tokens: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # tokens emitted by its last steps
+    seconds: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # and their durations, capped
     samples: int = 0
-    rate: float = 0.0  # median of `recent` (0 before any step: an unmeasured arm counts as slower)
+    rate: float = 0.0  # tokens/s over the window (0 before any step: an unmeasured arm counts as slower)
     step_s: float = 0.0  # median of `seconds`
+    _sums: list = field(default_factory=lambda: [0, 0.0])  # of `tokens` and `seconds`, kept as they change
 
     def add(self, tokens: int, seconds: float) -> None:
-        self.recent.append(tokens / seconds)
+        """Throughput is the window's tokens over its seconds, not a median of per-step rates: a speculating
+        step's yield is skewed (most n-gram steps accept nothing, a few accept K), and a median of
+        tokens/seconds reads it low (a 60/40 mix of 1 and 6 tokens a step as 1). A step's seconds count at
+        most OUTLIER times the median step as it stood, so a step that lost the core to another process moves
+        the rate by a share of the window, not by its whole length."""
+        if self.step_s > 0:
+            seconds = min(seconds, OUTLIER * self.step_s)
+        if len(self.tokens) == WINDOW:
+            self._sums[0] -= self.tokens[0]
+            self._sums[1] -= self.seconds[0]
+        self.tokens.append(tokens)
         self.seconds.append(seconds)
+        self._sums[0] += tokens
+        self._sums[1] += seconds
         self.samples += 1
-        self.rate = statistics.median(self.recent)
-        self.step_s = statistics.median(self.seconds)
+        if self.samples <= 16 or self.samples % 4 == 0:  # the median of 64 moves slowly: not every step
+            self.step_s = statistics.median(self.seconds)
+        self.rate = self._sums[0] / self._sums[1] if self._sums[1] > 0 else 0.0
 
 
 @dataclass
