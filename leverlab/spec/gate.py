@@ -8,11 +8,11 @@ its usual time: another process got the core, and one such step must not flip th
 because a speculating arm's yield varies from step to step: over 16 steps a 3-tokens-a-step n-gram arm read
 below a 2-token plain one often enough to stay shut for hundreds of steps. The bucket runs the better arm; now
 and then it runs the other arm for RUN steps (a probe), so the comparison follows changes in acceptance (a
-different workload) and in cost (other load on the machine), and the acceptance statistics stay fresh. How often is set by what a probe
-costs, as measured: the time a probe run loses against the better arm (and, for EAGLE, the extra time of the
-plain steps that capture features for it) is kept to BUDGET of the time between probes, so a loser far
-behind is probed seldom (at most every MAX_PERIOD decisions) and one close behind about every PROBE_EVERY. A
-new bucket first measures both arms RUN times each (for a bounded number of steps); an arm with no
+different workload) and in cost (other load on the machine), and the acceptance statistics stay fresh. How
+often is set by what a probe costs, as measured: the time a probe run loses against the better arm (and, for
+EAGLE, the extra time of the plain steps that capture features for it) is kept to BUDGET of the time between
+probes, so a loser far behind is probed seldom (at most every MAX_PERIOD decisions) and one close behind about
+every PROBE_EVERY. A new bucket first measures both arms RUN times each (for a bounded number of steps); an arm with no
 measurement yet counts as slower.
 A wrong foretelling (capture_next) costs one step's capture or one step's drafts, never a token: those
 steps are left out of the measurements.
@@ -47,7 +47,8 @@ class _Arm:
     samples: int = 0
     rate: float = 0.0  # tokens/s over the window (0 before any step: an unmeasured arm counts as slower)
     step_s: float = 0.0  # median of `seconds`
-    _sums: list = field(default_factory=lambda: [0, 0.0])  # of `tokens` and `seconds`, kept as they change
+    token_sum: int = 0  # of `tokens`, kept as the window moves
+    second_sum: float = 0.0  # of `seconds`, likewise (summed afresh every WINDOW steps: no drift)
 
     def add(self, tokens: int, seconds: float) -> None:
         """Throughput is the window's tokens over its seconds, not a median of per-step rates: a speculating
@@ -58,16 +59,18 @@ class _Arm:
         if self.step_s > 0:
             seconds = min(seconds, OUTLIER * self.step_s)
         if len(self.tokens) == WINDOW:
-            self._sums[0] -= self.tokens[0]
-            self._sums[1] -= self.seconds[0]
+            self.token_sum -= self.tokens[0]
+            self.second_sum -= self.seconds[0]
         self.tokens.append(tokens)
         self.seconds.append(seconds)
-        self._sums[0] += tokens
-        self._sums[1] += seconds
+        self.token_sum += tokens
+        self.second_sum += seconds
         self.samples += 1
+        if self.samples % WINDOW == 0:
+            self.second_sum = sum(self.seconds)
         if self.samples <= 16 or self.samples % 4 == 0:  # the median of 64 moves slowly: not every step
             self.step_s = statistics.median(self.seconds)
-        self.rate = self._sums[0] / self._sums[1] if self._sums[1] > 0 else 0.0
+        self.rate = self.token_sum / self.second_sum if self.second_sum > 0 else 0.0
 
 
 @dataclass
