@@ -12,8 +12,8 @@ different workload) and in cost (other load on the machine), and the acceptance 
 often is set by what a probe costs, as measured: the time a probe run loses against the better arm (and, for
 EAGLE, the extra time of the plain steps that capture features for it) is kept to BUDGET of the time between
 probes, so a loser far behind is probed seldom (at most every MAX_PERIOD decisions) and one close behind about
-every PROBE_EVERY. A new bucket first measures both arms RUN times each (for a bounded number of steps); an arm with no
-measurement yet counts as slower.
+every PROBE_EVERY. A new bucket first measures both arms RUN times each (for a bounded number of steps); an arm
+with no measurement yet counts as slower.
 A wrong foretelling (capture_next) costs one step's capture or one step's drafts, never a token: those
 steps are left out of the measurements.
 
@@ -47,8 +47,6 @@ class _Arm:
     samples: int = 0
     rate: float = 0.0  # tokens/s over the window (0 before any step: an unmeasured arm counts as slower)
     step_s: float = 0.0  # median of `seconds`
-    token_sum: int = 0  # of `tokens`, kept as the window moves
-    second_sum: float = 0.0  # of `seconds`, likewise (summed afresh every WINDOW steps: no drift)
 
     def add(self, tokens: int, seconds: float) -> None:
         """Throughput is the window's tokens over its seconds, not a median of per-step rates: a speculating
@@ -58,19 +56,13 @@ class _Arm:
         the rate by a share of the window, not by its whole length."""
         if self.step_s > 0:
             seconds = min(seconds, OUTLIER * self.step_s)
-        if len(self.tokens) == WINDOW:
-            self.token_sum -= self.tokens[0]
-            self.second_sum -= self.seconds[0]
         self.tokens.append(tokens)
         self.seconds.append(seconds)
-        self.token_sum += tokens
-        self.second_sum += seconds
         self.samples += 1
-        if self.samples % WINDOW == 0:
-            self.second_sum = sum(self.seconds)
         if self.samples <= 16 or self.samples % 4 == 0:  # the median of 64 moves slowly: not every step
             self.step_s = statistics.median(self.seconds)
-        self.rate = self.token_sum / self.second_sum if self.second_sum > 0 else 0.0
+        total = sum(self.seconds)
+        self.rate = sum(self.tokens) / total if total > 0 else 0.0
 
 
 @dataclass
