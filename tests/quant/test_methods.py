@@ -187,10 +187,11 @@ def _rows_agree_with_the_single_stream(linear, w: torch.Tensor, k: int) -> None:
         assert (one - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
 
 
-@pytest.mark.parametrize("k,g", [(256, 64), (384, 64), (352, 32), (1024, 128), (512, 32)])
+@pytest.mark.parametrize("k,g", [(256, 64), (384, 64), (352, 32), (1024, 128), (512, 32), (608, 32)])
 def test_int4_streaming_kernel_paths_agree(k, g):
     """Every row count the streaming int4 kernel takes (1..16: the single stream, the AVX2 pairs, the AVX-512
-    quads), block counts odd, even and not a multiple of 4, an odd number of weight rows: each output row equals
+    quads; past 512 inputs the AVX-512 single stream's rows reduced 16 together), block counts odd, even and not a
+    multiple of 4, an odd number of weight rows: each output row equals
     the single stream's for that row alone (the same quantized arithmetic, summed in another order: at most one
     bf16 step apart), and the single stream is the dequantized weight's product to within the activations'
     quantization."""
@@ -206,7 +207,7 @@ def test_int4_streaming_kernel_paths_agree(k, g):
                                        dequantize_streaming(packed, ss), k)
 
 
-@pytest.mark.parametrize("k", [256, 352, 384, 1024])
+@pytest.mark.parametrize("k", [256, 352, 384, 608, 1024])
 def test_int8_streaming_kernel_paths_agree(k):
     """As the int4 test above, for int8 with quantized activations: the tiles (AVX2, or AVX-512 VNNI where the
     block count is even) agree row by row with the single stream, which is the dequantized weight's product to

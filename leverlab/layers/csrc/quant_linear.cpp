@@ -396,7 +396,7 @@ inline void scale_chunk16(const at::Half* sr, int64_t G, int64_t c, const at::Ha
 
 // One quad (blocks 4q .. 4q + 3) of a weight row against x in quad order: their dot products, block b's in lanes
 // 4b .. 4b + 3, times x's block scales and the weight scales ws (each block's group scale in its four lanes), into acc.
-inline void u4_quad_512(const uint8_t* wr, const QuantizedRows& x, int64_t q, __m512 ws, __m512& acc) {
+__attribute__((always_inline)) inline void u4_quad_512(const uint8_t* wr, const QuantizedRows& x, int64_t q, __m512 ws, __m512& acc) {
   const __m512i nib = _mm512_set1_epi8(0x0F);
   prefetch_stream(wr + q * 64);
   const __m512i v = _mm512_loadu_si512(wr + q * 64);
@@ -414,8 +414,8 @@ inline void u4_quad_512(const uint8_t* wr, const QuantizedRows& x, int64_t q, __
 // multiple of 16) takes the same quads with the permutation computed; blocks past the last whole quad (K / 32
 // not a multiple of 4) are summed in scalar code. gsum: G rounded up to 16, zero past G.
 template <int GS>
-inline float u4_row_512(const uint8_t* wr, const at::Half* sr, const at::Half* end, int64_t G, const QuantizedRows& x,
-                        const float* gsum) {
+__attribute__((always_inline)) inline __m512 u4_row_512(const uint8_t* wr, const at::Half* sr, const at::Half* end, int64_t G, const QuantizedRows& x,
+                         const float* gsum) {
   constexpr int kQuadsPerChunk = 4 * GS;
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), zacc = _mm512_setzero_ps();
   const int64_t Q = x.B / 4;
@@ -451,7 +451,8 @@ inline float u4_row_512(const uint8_t* wr, const at::Half* sr, const at::Half* e
       dot += static_cast<int32_t>(wr[b * 16 + i] & 15) * xb[i] + static_cast<int32_t>(wr[b * 16 + i] >> 4) * xb[16 + i];
     tail += ws * static_cast<float>(dot);
   }
-  return _mm512_reduce_add_ps(_mm512_sub_ps(_mm512_add_ps(acc0, acc1), zacc)) + tail;
+  const __m512 acc = _mm512_sub_ps(_mm512_add_ps(acc0, acc1), zacc);
+  return _mm512_mask_add_ps(acc, 1, acc, _mm512_set1_ps(tail));  // its lanes' sum is the row's dot product
 }
 
 // int8's single stream, two blocks (64 weights) per step: x stays in its natural order (block b's 32 bytes fill
@@ -466,16 +467,30 @@ void pair_scales16(const QuantizedRows& x, std::vector<float>& buf, int64_t M = 
       for (int i = 0; i < 16; ++i) buf[(m * P + p) * 16 + i] = x.scale[m * x.B + 2 * p + i / 8];
 }
 
-inline float i8_row_512(const int8_t* wr, const QuantizedRows& x, const float* sp2) {
-  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+// One pair (blocks b, b + 1) into acc.
+inline void i8_pair_512(const int8_t* wr, const QuantizedRows& x, const float* sp2, int64_t b, __m512& acc) {
   const __m512i zero = _mm512_setzero_si512();
+  prefetch_stream(wr + b * 32);
+  const __m512i w = _mm512_loadu_si512(wr + b * 32), xv = _mm512_loadu_si512(x.q + b * 32);
+  const __m512i xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(w), zero, xv);
+  const __m512i d = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), xs);
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_loadu_ps(sp2 + b * 8), acc);
+}
+
+// Two accumulators, named: indexed by a run-time toggle (acc[u], u ^= 1) gcc kept them on the stack and each FMA
+// waited on the previous one's store and reload (perf annotate on a Zen 5: 13% of the kernel's samples on that
+// store). One thread, in one process against it (session 14, a Zen 5): 28 -> 60-70 G weights/s hot in the caches,
+// and the 0.6B shape's int8 head read from memory at 26 -> 31-33 GB/s (the machine reads ~40 with one thread).
+__attribute__((always_inline)) inline __m512 i8_row_512(const int8_t* wr, const QuantizedRows& x, const float* sp2) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   int64_t b = 0;
-  for (int u = 0; b + 2 <= x.B; b += 2, u ^= 1) {
-    prefetch_stream(wr + b * 32);
-    const __m512i w = _mm512_loadu_si512(wr + b * 32), xv = _mm512_loadu_si512(x.q + b * 32);
-    const __m512i xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(w), zero, xv);
-    const __m512i d = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), xs);
-    acc[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_loadu_ps(sp2 + b * 8), acc[u]);
+  for (; b + 4 <= x.B; b += 4) {
+    i8_pair_512(wr, x, sp2, b, acc0);
+    i8_pair_512(wr, x, sp2, b + 2, acc1);
+  }
+  if (b + 2 <= x.B) {
+    i8_pair_512(wr, x, sp2, b, acc0);
+    b += 2;
   }
   float tail = 0.f;
   if (b < x.B) {  // an odd last block
@@ -483,7 +498,44 @@ inline float i8_row_512(const int8_t* wr, const QuantizedRows& x, const float* s
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * 32));
     tail = static_cast<float>(hsum8_epi32(dot_block_i8(w, xv))) * x.scale[b];
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + tail;
+  const __m512 acc = _mm512_add_ps(acc0, acc1);
+  return _mm512_mask_add_ps(acc, 1, acc, _mm512_set1_ps(tail));
+}
+
+// The single streams' rows on AVX-512 return their accumulator vectors unreduced, and 16 of them are reduced
+// together: lane i of hsum16(a) is the sum of a[i]'s lanes, in 45 shuffles and adds where 16 separate horizontal
+// sums take ~12 each. On the 0.6B shape a row is 8 (int4, K = 1024) to 48 steps long, and one row's reduction and
+// call had taken a third of int4's single stream (perf annotate, a Zen 5).
+inline __m512 hsum16(const __m512* a) {
+  __m512 u[8], w[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: a[2i]'s and a[2i+1]'s pair sums, interleaved
+    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: a[4i .. 4i + 3]'s sums over that lane
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(u[2 * i]), _mm512_castps_pd(u[2 * i + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(u[2 * i]), _mm512_castps_pd(u[2 * i + 1]));
+    w[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  // across the 128-bit lanes: w[i]'s four lanes summed, into 128-bit lane i of the result
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
+}
+
+// Weight rows n0 .. n1 of a single stream, 16 at a time: y[n] = sum(row(n)) * scale[n] (scale may be null) + bias[n].
+template <typename T, typename Row>
+inline void stream_rows_512(int64_t n0, int64_t n1, Row row, const float* scale, const float* bias, T* y) {
+  for (int64_t n = n0; n < n1; n += 16) {
+    const int r = static_cast<int>(std::min<int64_t>(16, n1 - n));
+    const __mmask16 live = static_cast<__mmask16>((1u << r) - 1);
+    __m512 a[16];
+    for (int i = 0; i < 16; ++i) a[i] = i < r ? row(n + i) : _mm512_setzero_ps();
+    __m512 v = hsum16(a);
+    if (scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(live, scale + n));
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(live, bias + n));
+    alignas(64) float out[16];
+    _mm512_store_ps(out, v);
+    for (int i = 0; i < r; ++i) y[n + i] = static_cast<T>(out[i]);
+  }
 }
 #endif
 
@@ -872,7 +924,7 @@ void int8_rows_q8(const at::Tensor& x, const int8_t* w, const float* scale, cons
       int64_t n = n0;
 #if LEVERLAB_QUANT_AVX512
       if (wide) {
-        for (; n < n1; ++n) y[n] = static_cast<T>(i8_row_512(w + n * K, xq, sp2) * scale[n] + (bias ? bias[n] : 0.f));
+        stream_rows_512(n0, n1, [&](int64_t r) { return i8_row_512(w + r * K, xq, sp2); }, scale, bias, y);
         return;
       }
 #endif
@@ -987,8 +1039,9 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
 #if LEVERLAB_QUANT_AVX512
       if (wide) {
         auto rows = [&](auto gs) {
-          for (; n < n1; ++n)
-            emit(n, u4_row_512<decltype(gs)::value>(w + n * (K / 2), ss + n * 2 * G, ss + N * 2 * G, G, xq, gsum));
+          stream_rows_512(n0, n1, [&](int64_t r) {
+            return u4_row_512<decltype(gs)::value>(w + r * (K / 2), ss + r * 2 * G, ss + N * 2 * G, G, xq, gsum);
+          }, static_cast<const float*>(nullptr), bias, y);
         };
         switch (gshift) {  // blocks per group: g = 32, 64, 128, 256
           case 0: rows(std::integral_constant<int, 1>{}); break;
