@@ -330,6 +330,7 @@ def main() -> int:
     bw_end = measure_bandwidth(args.threads)
     result.update(bandwidth_gb_s=bw, bandwidth_end_gb_s=bw_end, weight_bytes_per_step=weight_bytes, best=best)
     print_table(best, weight_bytes, max(bw, bw_end), args)
+    print_block_shares(result["rounds"], weight_bytes, args)
     print_notes(result["rounds"], weight_bytes, args)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))
@@ -349,6 +350,11 @@ def run_rounds(args, ours: dict, bins: dict, ggufs: dict, rounds: list, work: Pa
         for p in args.precisions:
             prompts = {"decode": [rand(args.prompt_len)], "prefill": [rand(args.prefill_len)],
                        "decode16": [rand(args.prompt_len) for _ in range(args.batch)]}
+            # The bandwidth beside each precision's block: on a shared machine it moved 50 <-> 78 GB/s within one
+            # run (session 14), so a share of the start's figure alone says more about the neighbours than us.
+            bw = measure_bandwidth(args.threads, gib=0.5, reps=3)
+            rounds.append({"round": rnd, "precision": p, "measurement": "bandwidth", "gb_s": bw})
+            print(f"  round {rnd} {p:5s} {'read bandwidth':22s} {'':9s} {bw:.1f} GB/s", flush=True)
             for key in ("decode", "prefill", "decode16"):
                 for eng in order:
                     raw = None
@@ -377,6 +383,30 @@ def run_rounds(args, ours: dict, bins: dict, ggufs: dict, rounds: list, work: Pa
                          f"tok/s (up in {res['start_s']:.0f} s)" if res else "MISSING")
                 print(f"  round {rnd} {p:5s} {'servers':22s} {eng:9s} {shown}", flush=True)
     return best
+
+
+def print_block_shares(rounds: list, weight_bytes: dict, args) -> None:
+    """Each decode rate's share of the roofline at the bandwidth measured just before its precision's block in the
+    same round (not the run's best bandwidth, as the table above): the best round of each."""
+    bws = {(r["round"], r["precision"]): r["gb_s"] for r in rounds if r["measurement"] == "bandwidth"}
+    share: dict = {}
+    for r in rounds:
+        batch = MEASUREMENTS.get(r["measurement"], (None, None))[1]
+        n = args.batch if batch == "batch" else batch
+        bw, wb = bws.get((r["round"], r["precision"])), weight_bytes[r["precision"]].get(r.get("engine"))
+        if not (n and bw and wb and r.get("tok_s")):
+            continue
+        k = (r["precision"], r["measurement"], r["engine"])
+        share[k] = max(share.get(k, 0.0), r["tok_s"] * wb / n / (bw * 1e9))
+    if not share:
+        return
+    print("\nshare of the roofline at the bandwidth measured beside each block (best round):")
+    for p in args.precisions:
+        for key, (label, _) in MEASUREMENTS.items():
+            a, t = share.get((p, key, OURS)), share.get((p, key, THEIRS))
+            if a or t:
+                cell = lambda v: f"{100 * v:.0f}%" if v else "-"  # noqa: E731
+                print(f"  {p:5s} {label.format(batch=args.batch):22s} LeverLab {cell(a)}, llama.cpp {cell(t)}")
 
 
 def print_notes(rounds: list, weight_bytes: dict, args) -> None:
