@@ -15,8 +15,10 @@ rounds with the same thread count; the best round of each counts (the least dist
 llama.cpp's bench tools feed random tokens and never sample; the in-process figures of ours include sampling
 and detokenization, the servers' figures include everything on both sides. Each of our precisions runs in a
 process of its own (see `Ours`). Read the ratios, measured in this run; the machine is shared and the absolute
-figures drift. The table also gives each decode rate's share of its engine's bandwidth roofline; raw figures
-and settings go to results/bench_peer-<time>.json. llama.cpp is built once into the cache
+figures drift. The table also gives each decode rate's share of its engine's bandwidth roofline at the better of
+the start's and the end's read bandwidth, and a second list the share at the bandwidth measured just before each
+precision's block in the same round (where the machine's bandwidth moves within a run); raw figures and settings
+go to results/bench_peer-<time>.json. llama.cpp is built once into the cache
 (leverlab/bench/peer_llamacpp.py says how and why).
 
     python scripts/bench_peer.py [--model DIR] [--precisions bf16,int8,int4] [--rounds 3] [--threads 1]

@@ -240,7 +240,7 @@ inline float i8_row(const int8_t* wr, const QuantizedRows& x) {
 // Only for short rows: there the epilogue matters, and the matrices are small enough to sit in the caches. Streamed
 // from memory, four rows read side by side are four streams, which the prefetchers follow worse than one: on the
 // Qwen3-0.6B shape's matrices (K 1024..3072, two threads) the four-row pass read int8 at 9-10 GB/s against the
-// row-by-row pass's 12-13.
+// row-by-row pass's 12-13. (With AVX-512 VNNI every single stream takes the 512-bit rows instead: stream_rows_512.)
 constexpr int64_t kFourRowsMaxK = 512;
 
 // The horizontal sums of a[0 .. n), n <= 4, as the lanes of one vector (zero past n).
@@ -914,7 +914,9 @@ void int8_rows_q8(const at::Tensor& x, const int8_t* w, const float* scale, cons
   const int64_t M = x.size(0);
 #if LEVERLAB_QUANT_AVX512
   static thread_local std::vector<float> sp2buf;  // the calling thread's; the workers read it through sp2
-  const bool wide = M == 1 && K > kFourRowsMaxK;
+  // AVX-512: every single stream, short rows too (its rows reduced 16 together share their epilogue as the four-row
+  // AVX2 pass does; on the bundled model's shapes 1.13-1.14x that pass, one thread, a Zen 5).
+  const bool wide = M == 1;
   const bool pairs512 = M > 1 && xq.B % 2 == 0;  // the tiles on AVX-512 VNNI (i8_tile_512)
   if (wide || pairs512) pair_scales16(xq, sp2buf, M);
   const float* sp2 = sp2buf.data();
@@ -1026,7 +1028,7 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
   // x in the order the kernels below read it: quads (AVX-512, one long row), else pairs
   bool wide = false, quads = false;  // AVX-512: one long row, or several rows, in quad order
 #if LEVERLAB_QUANT_AVX512
-  wide = M == 1 && K > kFourRowsMaxK;
+  wide = M == 1;  // short rows too, as int8's (1.10x the four-row AVX2 pass on the bundled model's shapes)
   quads = M >= 4 && xq.B % 4 == 0;  // two or three rows measured 0.86-0.93x the pairs on some shapes
   if (wide) quad_row(xq);
   if (quads) quad_rows(xq, M);
