@@ -190,9 +190,8 @@ def _rows_agree_with_the_single_stream(linear, w: torch.Tensor, k: int) -> None:
 @pytest.mark.parametrize("k,g", [(256, 64), (384, 64), (352, 32), (1024, 128), (512, 32), (608, 32)])
 def test_int4_streaming_kernel_paths_agree(k, g):
     """Every row count the streaming int4 kernel takes (1..16: the single stream, the AVX2 pairs, the AVX-512
-    quads; past 512 inputs the AVX-512 single stream's rows reduced 16 together), block counts odd, even and not a
-    multiple of 4, an odd number of weight rows: each output row equals
-    the single stream's for that row alone (the same quantized arithmetic, summed in another order: at most one
+    quads; the AVX-512 single stream's rows reduced 16 together), block counts odd, even and not a multiple of 4,
+    an odd number of weight rows: each output row equals the single stream's for that row alone (the same quantized arithmetic, summed in another order: at most one
     bf16 step apart), and the single stream is the dequantized weight's product to within the activations'
     quantization."""
     from leverlab.layers import cpu_kernels

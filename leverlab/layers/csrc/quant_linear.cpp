@@ -240,7 +240,8 @@ inline float i8_row(const int8_t* wr, const QuantizedRows& x) {
 // Only for short rows: there the epilogue matters, and the matrices are small enough to sit in the caches. Streamed
 // from memory, four rows read side by side are four streams, which the prefetchers follow worse than one: on the
 // Qwen3-0.6B shape's matrices (K 1024..3072, two threads) the four-row pass read int8 at 9-10 GB/s against the
-// row-by-row pass's 12-13. (With AVX-512 VNNI every single stream takes the 512-bit rows instead: stream_rows_512.)
+// row-by-row pass's 12-13. (With AVX-512 VNNI every single stream takes the 512-bit rows instead:
+// stream_rows_512.)
 constexpr int64_t kFourRowsMaxK = 512;
 
 // The horizontal sums of a[0 .. n), n <= 4, as the lanes of one vector (zero past n).
@@ -396,7 +397,8 @@ inline void scale_chunk16(const at::Half* sr, int64_t G, int64_t c, const at::Ha
 
 // One quad (blocks 4q .. 4q + 3) of a weight row against x in quad order: their dot products, block b's in lanes
 // 4b .. 4b + 3, times x's block scales and the weight scales ws (each block's group scale in its four lanes), into acc.
-__attribute__((always_inline)) inline void u4_quad_512(const uint8_t* wr, const QuantizedRows& x, int64_t q, __m512 ws, __m512& acc) {
+__attribute__((always_inline)) inline void u4_quad_512(const uint8_t* wr, const QuantizedRows& x, int64_t q,
+                                                       __m512 ws, __m512& acc) {
   const __m512i nib = _mm512_set1_epi8(0x0F);
   prefetch_stream(wr + q * 64);
   const __m512i v = _mm512_loadu_si512(wr + q * 64);
@@ -414,8 +416,8 @@ __attribute__((always_inline)) inline void u4_quad_512(const uint8_t* wr, const 
 // multiple of 16) takes the same quads with the permutation computed; blocks past the last whole quad (K / 32
 // not a multiple of 4) are summed in scalar code. gsum: G rounded up to 16, zero past G.
 template <int GS>
-__attribute__((always_inline)) inline __m512 u4_row_512(const uint8_t* wr, const at::Half* sr, const at::Half* end, int64_t G, const QuantizedRows& x,
-                         const float* gsum) {
+__attribute__((always_inline)) inline __m512 u4_row_512(const uint8_t* wr, const at::Half* sr, const at::Half* end,
+                                                        int64_t G, const QuantizedRows& x, const float* gsum) {
   constexpr int kQuadsPerChunk = 4 * GS;
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), zacc = _mm512_setzero_ps();
   const int64_t Q = x.B / 4;
@@ -504,8 +506,9 @@ __attribute__((always_inline)) inline __m512 i8_row_512(const int8_t* wr, const 
 
 // The single streams' rows on AVX-512 return their accumulator vectors unreduced, and 16 of them are reduced
 // together: lane i of hsum16(a) is the sum of a[i]'s lanes, in 45 shuffles and adds where 16 separate horizontal
-// sums take ~12 each. On the 0.6B shape a row is 8 (int4, K = 1024) to 48 steps long, and one row's reduction and
-// call had taken a third of int4's single stream (perf annotate, a Zen 5).
+// sums take ~12 each. On the 0.6B shape a row is 8 (int4, K = 1024) to 48 steps long, and perf annotate (a Zen 5)
+// had put a third of int4's single-stream samples on one row's reduction and call; timed, int4's 0.6B matrices
+// measured the same with it (0.97-1.00x), the bundled model's short rows 1.10x (they had taken a four-row pass).
 inline __m512 hsum16(const __m512* a) {
   __m512 u[8], w[4];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: a[2i]'s and a[2i+1]'s pair sums, interleaved
