@@ -16,8 +16,10 @@ MAX_NUM_SEQS, MAX_WAITING = 4, 4
 
 
 @pytest.fixture(scope="module")
-def small_server(start_server):
-    return start_server("--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting", str(MAX_WAITING))
+def small_server(start_server, long_checkpoint):
+    # The long checkpoint (8,192 positions): a request that must still be running when its client leaves asks for
+    # thousands of tokens.
+    return start_server("--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting", str(MAX_WAITING), ckpt=long_checkpoint)
 
 
 async def _one_stream(client: httpx.AsyncClient, i: int, max_tokens: int) -> tuple[str, dict]:
@@ -113,7 +115,8 @@ def test_stream_disconnect_aborts_and_frees_blocks(small_server):
 
 def test_non_stream_disconnect_aborts_and_frees_blocks(small_server):
     before = small_server.metrics()
-    body = {"prompt": "def f(x):", "max_tokens": 480, "ignore_eos": True, "n": 8}
+    # 8 x 4,000 tokens, 4 at a time, outlast the 0.5 s read timeout on any machine (8 x 480 did not on a Zen 5)
+    body = {"prompt": "def f(x):", "max_tokens": 4000, "ignore_eos": True, "n": 8}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(small_server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
     after = small_server.wait_idle()
