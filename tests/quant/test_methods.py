@@ -191,9 +191,9 @@ def _rows_agree_with_the_single_stream(linear, w: torch.Tensor, k: int) -> None:
 def test_int4_streaming_kernel_paths_agree(k, g):
     """Every row count the streaming int4 kernel takes (1..16: the single stream, the AVX2 pairs, the AVX-512
     quads; the AVX-512 single stream's rows reduced 16 together), block counts odd, even and not a multiple of 4,
-    an odd number of weight rows: each output row equals the single stream's for that row alone (the same quantized arithmetic, summed in another order: at most one
-    bf16 step apart), and the single stream is the dequantized weight's product to within the activations'
-    quantization."""
+    an odd number of weight rows: each output row equals the single stream's for that row alone (the same quantized
+    arithmetic, summed in another order: at most one bf16 step apart), and the single stream is the dequantized
+    weight's product to within the activations' quantization."""
     from leverlab.layers import cpu_kernels
     from leverlab.quant.int4 import dequantize_streaming, pack_int4_streaming, quantize_int4
 
