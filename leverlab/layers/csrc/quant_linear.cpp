@@ -28,6 +28,7 @@
 
 #include "kernel_util.h"
 #include "stream_hint.h"
+#include "vec_math.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -505,25 +506,11 @@ __attribute__((always_inline)) inline __m512 i8_row_512(const int8_t* wr, const 
 }
 
 // The single streams' rows on AVX-512 return their accumulator vectors unreduced, and 16 of them are reduced
-// together: lane i of hsum16(a) is the sum of a[i]'s lanes, in 45 shuffles and adds where 16 separate horizontal
-// sums take ~12 each. On the 0.6B shape a row is 8 (int4, K = 1024) to 48 steps long, and perf annotate (a Zen 5)
-// had put a third of int4's single-stream samples on one row's reduction and call; timed, int4's 0.6B matrices
-// measured the same with it (0.97-1.00x), the bundled model's short rows 1.10x (they had taken a four-row pass).
-inline __m512 hsum16(const __m512* a) {
-  __m512 u[8], w[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: a[2i]'s and a[2i+1]'s pair sums, interleaved
-    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: a[4i .. 4i + 3]'s sums over that lane
-    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(u[2 * i]), _mm512_castps_pd(u[2 * i + 1]));
-    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(u[2 * i]), _mm512_castps_pd(u[2 * i + 1]));
-    w[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-  }
-  // across the 128-bit lanes: w[i]'s four lanes summed, into 128-bit lane i of the result
-  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
-}
-
+// together (hsum16, vec_math.h). On the 0.6B shape a row is 8 (int4, K = 1024) to 48 steps long, and perf annotate
+// (a Zen 5) had put a third of int4's single-stream samples on one row's reduction and call; timed, int4's 0.6B
+// matrices measured the same with it (0.97-1.00x), the bundled model's short rows 1.10x (they had taken a four-row
+// pass).
+//
 // Weight rows n0 .. n1 of a single stream, 16 at a time: y[n] = sum(row(n)) * scale[n] (scale may be null) + bias[n].
 template <typename T, typename Row>
 inline void stream_rows_512(int64_t n0, int64_t n1, Row row, const float* scale, const float* bias, T* y) {

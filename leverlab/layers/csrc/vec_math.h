@@ -44,6 +44,27 @@ inline __m256 exp8_nonpositive(__m256 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// Lane i of the result: the sum of a[i]'s 16 lanes, for 16 vectors at once (45 shuffles and adds where 16
+// horizontal sums take ~12 each). The single-stream linears reduce 16 weight rows with it, decode attention 16
+// positions' scores.
+inline __m512 hsum16(const __m512* a) {
+  __m512 u[8], w[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: a[2i]'s and a[2i+1]'s pair sums, interleaved
+    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: a[4i .. 4i + 3]'s sums over that lane
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(u[2 * i]), _mm512_castps_pd(u[2 * i + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(u[2 * i]), _mm512_castps_pd(u[2 * i + 1]));
+    w[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  // across the 128-bit lanes: w[i]'s four lanes summed, into 128-bit lane i of the result
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
+}
+#endif
+
 // silu(x) = x * sigmoid(x), through exp of -|x| (never positive, so exp_nonpositive applies).
 inline float silu(float x) {
   const float e = exp_nonpositive(x < 0.f ? x : -x);
