@@ -19,8 +19,9 @@ KEY = "test-key-123"
 
 
 @pytest.fixture(scope="module")
-def keyed_server(start_server):
-    # the key comes from the environment; one running sequence at a time makes the drain take a while
+def keyed_server(start_server, long_checkpoint):
+    # the key comes from the environment; one running sequence at a time makes the drain take a while (on the
+    # 8,192-position checkpoint, so that the drain test's streams can ask for thousands of tokens)
     flags = [
         "--max-num-seqs",
         "1",
@@ -30,7 +31,7 @@ def keyed_server(start_server):
         "leverlab-tiny",
         "tiny-qwen3",
     ]
-    return start_server(*flags, env={"LEVERLAB_API_KEY": KEY})
+    return start_server(*flags, env={"LEVERLAB_API_KEY": KEY}, ckpt=long_checkpoint)
 
 
 def test_api_key_required_on_v1(keyed_server):
@@ -102,7 +103,9 @@ def test_sigterm_drains_then_exits_zero(keyed_server):
     url = keyed_server.url
     results: list = []
     started = threading.Event()
-    threads = [threading.Thread(target=_stream, args=(url, results, started)) for _ in range(3)]
+    # 3 x 2,000 tokens one at a time: the drain outlasts the probe below (3 x 400 had drained within its 0.2 s on
+    # a Zen 5, and the probe met a closed port)
+    threads = [threading.Thread(target=_stream, args=(url, results, started, 2000)) for _ in range(3)]
     for t in threads:
         t.start()
     assert started.wait(60)
@@ -131,7 +134,7 @@ def test_sigterm_drains_then_exits_zero(keyed_server):
     for status, lines in results:  # the three admitted streams all finished in full
         assert status == 200, lines
         assert lines[-1] == "[DONE]"
-        assert json.loads(lines[-2])["usage"]["completion_tokens"] == 400
+        assert json.loads(lines[-2])["usage"]["completion_tokens"] == 2000
 
 
 def test_drain_timeout_bounds_the_exit(start_server, long_checkpoint):
