@@ -387,19 +387,28 @@ def run_rounds(args, ours: dict, bins: dict, ggufs: dict, rounds: list, work: Pa
     return best
 
 
+def roofline_share(tok_s: float | None, weight_bytes: int | None, batch, bw: float | None, args) -> float | None:
+    """tok_s as a share of the bandwidth roofline: bw over the bytes one step reads of the engine's own weights,
+    one step yielding `batch` tokens (MEASUREMENTS' second field). None where there is no roofline or no figure."""
+    n = args.batch if batch == "batch" else batch
+    if not (tok_s and weight_bytes and n and bw):
+        return None
+    return tok_s * weight_bytes / n / (bw * 1e9)
+
+
 def print_block_shares(rounds: list, weight_bytes: dict, args) -> None:
     """Each decode rate's share of the roofline at the bandwidth measured just before its precision's block in the
     same round (not the run's best bandwidth, as the table above): the best round of each."""
     bws = {(r["round"], r["precision"]): r["gb_s"] for r in rounds if r["measurement"] == "bandwidth"}
     share: dict = {}
     for r in rounds:
-        batch = MEASUREMENTS.get(r["measurement"], (None, None))[1]
-        n = args.batch if batch == "batch" else batch
-        bw, wb = bws.get((r["round"], r["precision"])), weight_bytes[r["precision"]].get(r.get("engine"))
-        if not (n and bw and wb and r.get("tok_s")):
+        if r["measurement"] not in MEASUREMENTS:
             continue
-        k = (r["precision"], r["measurement"], r["engine"])
-        share[k] = max(share.get(k, 0.0), r["tok_s"] * wb / n / (bw * 1e9))
+        bw, wb = bws.get((r["round"], r["precision"])), weight_bytes[r["precision"]].get(r["engine"])
+        v = roofline_share(r["tok_s"], wb, MEASUREMENTS[r["measurement"]][1], bw, args)
+        if v is not None:
+            k = (r["precision"], r["measurement"], r["engine"])
+            share[k] = max(share.get(k, 0.0), v)
     if not share:
         return
     print("\nshare of the roofline at the bandwidth measured beside each block (best round):")
@@ -450,9 +459,8 @@ def print_table(best: dict, weight_bytes: dict, bw: float, args) -> None:
             cells = [f"{a:.1f}" if a else "missing", f"{t:.1f}" if t else "missing",
                      f"{a / t:.2f}x" if a and t else "-"]
             for eng, v in ((OURS, a), (THEIRS, t)):
-                n = args.batch if batch == "batch" else batch
-                roof = bw * 1e9 / weight_bytes[p][eng] * n if n and weight_bytes[p][eng] else None
-                cells.append(f"{100 * v / roof:.0f}%" if v and roof else "-")
+                share = roofline_share(v, weight_bytes[p][eng], batch, bw, args)
+                cells.append(f"{100 * share:.0f}%" if share is not None else "-")
             name = f"{p} / {peer.GGUF_TYPES[p]}"
             print(f"| {name} | {label.format(batch=args.batch)} | " + " | ".join(cells) + " |")
     for p in args.precisions:
