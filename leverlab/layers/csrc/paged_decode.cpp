@@ -143,14 +143,18 @@ inline float softmax_span(float* p, int64_t n) {
   return 1.f / sum;
 }
 
+// The positions [lo, e) row r (query j = r / G) sees: up to its own, pos0 + j, and within the window.
+inline std::pair<int64_t, int64_t> visible_positions(const Item& it, int64_t r, int64_t G, int64_t window) {
+  const int64_t j = r / G;
+  return {window > 0 ? std::max(it.first, it.pos0 + j + 1 - window) : it.first, it.pos0 + j + 1};
+}
+
 // Softmax over each row's visible positions, in place: probs[r * L + i] is row r's score for position
-// first + i; query j = r / G sees positions [lo, pos0 + j]. Writes 1 / sum into inv[r].
+// first + i. Writes 1 / sum into inv[r].
 inline void softmax_rows(float* probs, float* inv, const Item& it, int64_t R, int64_t G, int64_t L, int64_t window) {
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t j = r / G;
-    const int64_t lo = window > 0 ? std::max(it.first, it.pos0 + j + 1 - window) : it.first;
-    const int64_t a = lo - it.first, e = it.pos0 + j + 1 - it.first;
-    inv[r] = softmax_span(probs + r * L + a, e - a);
+    const auto [lo, e] = visible_positions(it, r, G, window);
+    inv[r] = softmax_span(probs + r * L + lo - it.first, e - lo);
   }
 }
 
@@ -294,16 +298,10 @@ void item_bf16(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, uint1
   // sums are the same bit for bit; a position one row of the pair does not see is skipped for that row.
   constexpr int DV = D / 16;
   constexpr int64_t kPair = D <= 128 ? 2 : 1;
-  auto visible = [&](int64_t r, int64_t& lo, int64_t& e) {  // row r sees positions [lo, e)
-    const int64_t j = r / G;
-    lo = lay.window > 0 ? std::max(it.first, it.pos0 + j + 1 - lay.window) : it.first;
-    e = it.pos0 + j + 1;
-  };
   for (int64_t r = 0; r < R; r += kPair) {
     const bool two = kPair == 2 && r + 1 < R;
-    int64_t lo0, e0, lo1 = 0, e1 = 0;
-    visible(r, lo0, e0);
-    if (two) visible(r + 1, lo1, e1);
+    const auto [lo0, e0] = visible_positions(it, r, G, lay.window);
+    const auto [lo1, e1] = two ? visible_positions(it, r + 1, G, lay.window) : std::pair<int64_t, int64_t>{0, 0};
     const int64_t plo = two ? std::min(lo0, lo1) : lo0, phi = two ? std::max(e0, e1) : e0;
     __m512 a0[DV], a1[DV];
 #pragma GCC unroll 16
