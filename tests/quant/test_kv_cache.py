@@ -82,7 +82,7 @@ def test_engine_with_quantized_kv_cache_tracks_the_float_cache(checkpoint_factor
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
 
 
-@pytest.mark.parametrize("d", [32, 64, 128])  # 32: the generic loops; 64 and 128: the AVX2 int8 path
+@pytest.mark.parametrize("d", [32, 64, 128, 256])  # 32: the generic loops; else the AVX2 or AVX-512 int8 path
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [0, 3])
 def test_cpp_kernel_over_int8_cache_matches_the_gather_path(monkeypatch, d, dtype, tol, window):
