@@ -491,8 +491,8 @@ void item_q8(const T* qp, const int8_t* kp, const int8_t* vp, const float* ksc, 
 //           reduced together (hsum16) where the AVX2 loop above did one horizontal sum per score
 //   values: kRows rows at a time with their accumulators in registers, each V row widened once for all of them
 //           (the AVX2 loop kept its accumulators in memory: a load, an FMA and a store per 8 elements)
-// In one process against item_q8 (a Zen 4, one thread, hot in the caches): 1.1x at 16 x 1,000 tokens of either
-// model's heads, 1.3x for one sequence of 512 (the 0.6B shape's).
+// In one process against item_q8 (a Zen 4, one thread, hot in the caches): 1.1-1.2x at 16 x 1,000 tokens of
+// either model's heads, 1.3x for one sequence of 512 (the 0.6B shape's).
 template <int D, typename T>
 void item_q8_512(const T* qp, const int8_t* kp, const int8_t* vp, const float* ksc, const float* vsc, T* op,
                  const Layout& lay, const Item& it, Buffers& buf) {
