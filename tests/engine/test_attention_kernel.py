@@ -87,3 +87,48 @@ def test_tiled_long_spans_match_pytorch_path(monkeypatch, dtype, tol, window, d)
     monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
     ref = attention_impl(q.float(), k.float(), v.float(), kc2.float(), vc2.float(), *args, window=window)
     assert torch.allclose(ours.float(), ref, atol=tol, rtol=0), (ours.float() - ref).abs().max()
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("window", [0, 45])
+def test_a_decode_row_is_the_same_alone_batched_in_a_span_and_on_any_threads(d, window):
+    """A query row's output must not depend on what else the step holds: the same bits decoded alone, beside
+    another sequence, as one row of a verification span, and on one thread or two, in bf16 over a context of 100
+    (six blocks of 16 positions, sliding window or not). This is what keeps batching and speculative decoding exact;
+    a kernel that split long contexts (between threads, or in chunks merged after) must keep it."""
+    kern = cpu_kernels.kernels()
+    if kern is None:
+        pytest.skip("no C++ compiler here: the engine uses the PyTorch path")
+    g = torch.Generator().manual_seed(7)
+    nb, bs, kvh, h, ctx, n = 40, 16, 2, 6, 100, 5
+    kc, vc = (torch.randn(nb, bs, kvh, d, generator=g).bfloat16() for _ in range(2))
+    perm = torch.randperm(nb, generator=g)
+    ours, other = perm[:7], perm[7:12]  # 112 and 80 positions
+    q = torch.randn(n + 1, h, d, generator=g).bfloat16()
+
+    def slot(table, p):
+        return int(table[p // bs]) * bs + p % bs
+
+    def run(seqs):
+        """seqs: (table, context length, query rows of q); the new K/V written are the cache's own (no change)."""
+        rows = [r for _, _, rs in seqs for r in rs]
+        slots = [slot(t, c - len(rs) + j) for t, c, rs in seqs for j in range(len(rs))]
+        knew, vnew = kc.view(-1, kvh, d)[slots].clone(), vc.view(-1, kvh, d)[slots].clone()
+        tables = torch.stack([torch.cat([t, t.new_zeros(7 - len(t))]) for t, _, _ in seqs])
+        qsl = torch.tensor([0, *torch.tensor([len(rs) for _, _, rs in seqs]).cumsum(0).tolist()])
+        return kern.paged_decode(q[rows], knew, vnew, kc, vc, torch.tensor(slots), tables,
+                                 torch.tensor([c for _, c, _ in seqs]), qsl, d**-0.5, window, None, None)
+
+    threads = torch.get_num_threads()
+    try:
+        span = run([(ours, ctx, list(range(n)))])
+        for j in range(n):
+            alone = run([(ours, ctx - n + j + 1, [j])])
+            batched = run([(other, 70, [n]), (ours, ctx - n + j + 1, [j])])
+            torch.set_num_threads(1)
+            one_thread = run([(ours, ctx - n + j + 1, [j])])
+            torch.set_num_threads(max(2, threads))
+            for got in (alone[0], batched[1], one_thread[0]):
+                assert torch.equal(got, span[j]), f"row {j}"
+    finally:
+        torch.set_num_threads(threads)
