@@ -315,6 +315,9 @@ void item_bf16(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, uint1
     const float* p0 = buf.probs.data() + r * L;  // row r's probabilities, position first at index 0
     const float* p1 = p0 + L;
     for (int64_t pos = plo; pos < phi; ++pos) {
+      // the scores' pass fetched V into the caches; ahead of this pass, into L1 again (perf: the V loads were this
+      // pass's hottest instructions)
+      if (pos + kAhead < phi) prefetch_row(vp + buf.offs[pos + kAhead - it.first], D * 2);
       const uint16_t* v = vp + buf.offs[pos - it.first];
       // bf16 -> fp32 without shuffles, 32 elements a load: a 32-bit lane's even element is the lane shifted left
       // by 16, its odd element the lane with its low half masked off. So vf[2c] holds elements 32c + 0, 2, .., 30
