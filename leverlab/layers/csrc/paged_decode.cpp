@@ -575,6 +575,7 @@ void item_q8_512(const T* qp, const int8_t* kp, const int8_t* vp, const float* k
 #pragma GCC unroll 16
       for (int c = 0; c < C; ++c) acc[j][c] = _mm512_setzero_ps();
     for (int64_t pos = plo; pos < phi; ++pos) {
+      if (pos + kAhead < phi) prefetch_row(vp + buf.offs[pos + kAhead - it.first], D);  // as item_bf16's V pass
       const int64_t off = buf.offs[pos - it.first];
       const float vs = vsc[off / D];
       __m512 vf[C];
