@@ -190,6 +190,17 @@ inline void row_offsets(const Layout& lay, const Item& it, Buffers& buf) {
   }
 }
 
+// The item's R query rows as float32 times the softmax scale, into buf.qf [R, D] (the loops that read q as floats).
+template <typename T>
+inline void scaled_queries(const T* qp, const Layout& lay, const Item& it, int64_t R, Buffers& buf) {
+  const int64_t D = lay.D, G = lay.G;
+  buf.qf.resize(R * D);
+  for (int64_t r = 0; r < R; ++r) {
+    const T* q = qp + ((it.row0 + r / G) * lay.H + it.h * G + r % G) * D;
+    for (int64_t d = 0; d < D; ++d) buf.qf[r * D + d] = static_cast<float>(q[d]) * lay.scale;
+  }
+}
+
 // A cache row as float32, dequantized with its scale when the cache is int8.
 template <typename C>
 inline const float* row_as_float(const C* src, const float* scales, int64_t off, int64_t D, float* buf) {
@@ -208,15 +219,11 @@ template <typename T, typename C>
 void item_generic(const T* qp, const C* kp, const C* vp, const float* ksc, const float* vsc, T* op,
                   const Layout& lay, const Item& it, Buffers& buf) {
   const int64_t D = lay.D, G = lay.G, R = it.nq * G, L = it.ctx - it.first;
-  buf.qf.resize(R * D);
+  scaled_queries(qp, lay, it, R, buf);
   buf.acc.assign(R * D, 0.f);
   buf.probs.resize(R * L);
   buf.inv.resize(R);
   buf.row.resize(D);
-  for (int64_t r = 0; r < R; ++r) {
-    const T* qrow = qp + ((it.row0 + r / G) * lay.H + it.h * G + r % G) * D;
-    for (int64_t d = 0; d < D; ++d) buf.qf[r * D + d] = static_cast<float>(qrow[d]) * lay.scale;
-  }
   // Pass 1: scores.
   for (int64_t pos = it.first; pos < it.ctx; ++pos) {
     if (pos + kAhead < it.ctx) {  // this head's rows are 2 KB or more apart: prefetch, for pass 3's V too
@@ -443,14 +450,10 @@ void item_q8(const T* qp, const int8_t* kp, const int8_t* vp, const float* ksc, 
              const Layout& lay, const Item& it, Buffers& buf) {
   constexpr int C = D / 8;  // 8-element chunks of a row
   const int64_t G = lay.G, R = it.nq * G, L = it.ctx - it.first;
-  buf.qf.resize(R * D);
+  scaled_queries(qp, lay, it, R, buf);
   buf.acc.assign(R * D, 0.f);
   buf.probs.resize(R * L);
   buf.inv.resize(R);
-  for (int64_t r = 0; r < R; ++r) {
-    const T* q = qp + ((it.row0 + r / G) * lay.H + it.h * G + r % G) * D;
-    for (int d = 0; d < D; ++d) buf.qf[r * D + d] = static_cast<float>(q[d]) * lay.scale;
-  }
   auto widen = [](const int8_t* p, float s, __m256* out) {
     const __m256 sv = _mm256_set1_ps(s);
 #pragma GCC unroll 32
@@ -517,14 +520,10 @@ void item_q8_512(const T* qp, const int8_t* kp, const int8_t* vp, const float* k
   constexpr int C = D / 16;  // 16-element chunks of a row
   constexpr int kRows = D <= 64 ? 4 : D <= 128 ? 2 : 1;  // value accumulators (kRows + 1) * C <= 32 registers
   const int64_t G = lay.G, R = it.nq * G, L = it.ctx - it.first;
-  buf.qf.resize(R * D);
+  scaled_queries(qp, lay, it, R, buf);
   buf.probs.resize(R * L);
   buf.inv.resize(R);
   buf.part.resize(R * 16 * 16);  // per row, 16 positions' unreduced score vectors
-  for (int64_t r = 0; r < R; ++r) {
-    const T* q = qp + ((it.row0 + r / G) * lay.H + it.h * G + r % G) * D;
-    for (int d = 0; d < D; ++d) buf.qf[r * D + d] = static_cast<float>(q[d]) * lay.scale;
-  }
   auto widen = [](const int8_t* p, __m512* out) {
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c)
