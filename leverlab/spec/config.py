@@ -9,6 +9,7 @@ from leverlab.errors import UnsupportedLever
 METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # Both load any EAGLE head folder we read: ours, `speculators` eagle3, the original EAGLE-3 release.
 EAGLE_METHODS = ("eagle", "eagle3")
+DRAFT_QUANTIZATION = ("auto", "none", "int8")
 
 
 @dataclass
@@ -23,6 +24,11 @@ class SpeculativeConfig:
     # The draft's (or head's) own parallel degree, never forced to the target's. Only 1 is built: the draft
     # model and the EAGLE head run in the engine's process; other values are refused, never ignored.
     draft_tensor_parallel_size: int = 1
+    # The draft's weights as it drafts (vLLM's key): "auto" quantizes an EAGLE head's linears and the head it
+    # drafts through to int8 where our int8 kernels serve (CPU, bf16/fp16; drafts only propose, so the output
+    # does not change) and gives a draft model the target's --quantization; "none" keeps the model dtype (null
+    # too); "int8" asks for int8.
+    quantization: str | None = "auto"
 
     @classmethod
     def from_dict(cls, raw: dict) -> SpeculativeConfig:
@@ -48,6 +54,12 @@ class SpeculativeConfig:
                 f"draft_tensor_parallel_size {cfg.draft_tensor_parallel_size} is not supported: the draft model or "
                 "EAGLE head runs unsharded (degree 1) in the engine's process, whatever the target's "
                 "--tensor-parallel-size; set it to 1 or leave it out")
+        cfg.quantization = "none" if cfg.quantization is None else cfg.quantization
+        if cfg.quantization not in DRAFT_QUANTIZATION:
+            raise UnsupportedLever(f"--speculative-config quantization {cfg.quantization!r} is not one of "
+                                   f"{list(DRAFT_QUANTIZATION)} (the draft's or the EAGLE head's weights)")
+        if cfg.method == "ngram" and cfg.quantization == "int8":
+            raise UnsupportedLever('speculative method "ngram" has no weights to quantize: leave "quantization" out')
         if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
             raise UnsupportedLever("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         return cfg

@@ -34,8 +34,9 @@ class DraftModelProposer:
     def from_config(cls, spec, engine_config, max_model_len: int) -> DraftModelProposer:
         if not spec.model:
             raise UnsupportedLever('speculative method "draft_model" needs "model": the draft model folder')
+        quantization = {"auto": engine_config.quantization, "none": None}.get(spec.quantization, spec.quantization)
         cfg = dataclasses.replace(engine_config, model=spec.model, speculative_config=None, num_kv_blocks=None,
-                                  enable_prefix_caching=False)
+                                  enable_prefix_caching=False, quantization=quantization)
         runner = ModelRunner(cfg, spec.model, max_model_len)
         if runner.model_config.max_position_embeddings < max_model_len:
             raise UnsupportedLever(f"draft model {spec.model} handles {runner.model_config.max_position_embeddings} "

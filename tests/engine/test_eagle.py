@@ -200,6 +200,57 @@ def test_eagle_config_checks(target, tmp_path):
         LLM(target, dtype="float32", speculative_config=spec(str(tmp_path / "missing")))
     with pytest.raises(UnsupportedLever, match="not an EAGLE head"):
         LLM(target, dtype="float32", speculative_config=spec(target))
+    with pytest.raises(UnsupportedLever, match="quantization 'fp4' is not one of"):
+        LLM(target, dtype="float32", speculative_config=spec(str(tmp_path), quantization="fp4"))
+    with pytest.raises(UnsupportedLever, match="no weights to quantize"):
+        LLM(target, dtype="float32", speculative_config={"method": "ngram", "quantization": "int8"})
+
+
+def _recording_drafts(llm) -> list:
+    """Wrap the proposer's propose(): the list it returns fills with every step's drafts."""
+    p, seen = llm.engine.proposer, []
+    propose = p.propose
+
+    def wrapped(seqs, ks):
+        drafts = propose(seqs, ks)
+        seen.append([d.tokens for d in drafts])
+        return drafts
+
+    p.propose = wrapped
+    return seen
+
+
+def test_fused_head_pass_drafts_as_the_module_path(target, trained_head, plain):
+    """The head's pass in one C++ call (spec/eagle_fused.py) against EagleHead.forward module by module, in
+    float32: the same drafts at every step (the catch-up over a whole prompt takes the module path in both)."""
+    from leverlab.layers import cpu_kernels
+
+    if cpu_kernels.kernels() is None:
+        pytest.skip("the C++ kernels are not built here")
+    drafts = {}
+    for fused in (True, False):
+        llm = LLM(target, dtype="float32", speculative_config=spec(str(trained_head), k=4))
+        assert llm.engine.proposer.fused is not None
+        if not fused:
+            llm.engine.proposer.fused = None
+        drafts[fused] = _recording_drafts(llm)
+        assert tokens(llm.generate(PROMPTS, GREEDY)) == tokens(plain)
+        assert_all_free(llm)
+    assert drafts[True] == drafts[False] and any(any(d) for d in drafts[True])
+
+
+def test_int8_drafting_stays_lossless(target, trained_head, plain):
+    """quantization int8: the head's linears and the head it drafts through are int8 (a copy: the target's own
+    lm_head is untouched); drafts change, the output does not. float32 keeps the model dtype by default."""
+    default = LLM(target, dtype="float32", speculative_config=spec(str(trained_head))).engine.proposer
+    assert default.head.qkv_proj.quant_method is None and default.draft_head is default.target.lm_head
+    llm = LLM(target, dtype="float32", speculative_config=spec(str(trained_head), quantization="int8"))
+    p = llm.engine.proposer
+    assert p.head.qkv_proj.quant_method is not None and p.draft_head.quant_method is not None
+    assert p.target.lm_head.quant_method is None and p.draft_head is not p.target.lm_head
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == tokens(plain)
+    assert llm.engine.counter_snapshot()["spec_accepted_tokens"] > 0
+    assert_all_free(llm)
 
 
 @pytest.mark.slow
@@ -221,4 +272,5 @@ def test_own_embedding_and_lm_head_copy_matches_the_shared_ones(checkpoint_facto
         ids, h = torch.tensor([1, 5, 9]), torch.randn(2, p.head.config.hidden_size)
         shared = p._embed(ids), p._logits(h)
         p.own_weights = load_embedding_and_lm_head(path, p.dtype, p.device)
-        assert torch.equal(shared[0], p._embed(ids)) and torch.allclose(shared[1], p._logits(h))
+        assert torch.equal(shared[0], p._embed(ids))
+        assert torch.allclose(shared[1], torch.nn.functional.linear(h, p.own_weights[1]).float())

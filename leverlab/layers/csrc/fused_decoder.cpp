@@ -182,31 +182,45 @@ class FusedDecoder {
       const std::vector<std::vector<int64_t>>& tables, const std::vector<int64_t>& seq_lens,
       const std::vector<int64_t>& qsl, const std::vector<int64_t>& rows) {
     TORCH_CHECK(head_.w.defined(), "FusedDecoder.step: set_head first");
-    const int64_t B = static_cast<int64_t>(tables.size()), T_ = static_cast<int64_t>(ids.size());
-    int64_t width = 1;
-    for (const auto& t : tables) width = std::max<int64_t>(width, static_cast<int64_t>(t.size()));
-    at::Tensor bt = at::zeros({B, width}, at::kLong);
-    for (int64_t b = 0; b < B; ++b) std::copy(tables[b].begin(), tables[b].end(), bt.data_ptr<int64_t>() + b * width);
-    auto i64 = [](const std::vector<int64_t>& v) { return at::tensor(at::ArrayRef<int64_t>(v), at::kLong); };
-    std::vector<at::Tensor> out = forward(i64(ids), i64(positions), i64(slots), bt, i64(seq_lens), i64(qsl));
-    const at::Tensor& hidden = out[0];
-    bool all_rows = static_cast<int64_t>(rows.size()) == T_;
-    for (int64_t r = 0; all_rows && r < T_; ++r) all_rows = rows[r] == r;
-    at::Tensor logits = at::empty({0, 0}, hidden.options().dtype(at::kFloat));
-    std::vector<int64_t> best(rows.size());
-    if (!rows.empty()) {
-      logits = apply(head_, all_rows ? hidden : hidden.index_select(0, i64(rows))).to(at::kFloat);
-      const int64_t V = logits.size(1);
-      for (size_t r = 0; r < rows.size(); ++r) {
-        const float* l = logits.data_ptr<float>() + r * V;
-        int64_t arg = 0;
-        for (int64_t v = 1; v < V; ++v)
-          if (l[v] > l[arg]) arg = v;
-        best[r] = arg;
-      }
-    }
+    std::vector<at::Tensor> out =
+        forward(i64(ids), i64(positions), i64(slots), block_table(tables), i64(seq_lens), i64(qsl));
+    auto [logits, best] = head_rows(out[0], rows);
     c10::optional<at::Tensor> aux = out.size() > 1 ? c10::optional<at::Tensor>(out[1]) : c10::nullopt;
-    return {hidden, aux, logits, best};
+    return {out[0], aux, logits, best};
+  }
+
+  // EAGLE head mode: a FusedDecoder built over an EAGLE head's one layer (embed: the table its tokens are looked
+  // up in; final_norm: the head's output norm; set_head: the head it drafts through). The layer's attention reads
+  // concat(embed_norm(embedding), feature_norm(feature)) [T, 2H] and its residual stream starts from the feature
+  // (normed first with norm_before_residual), as spec/eagle_head.py's forward.
+  void set_eagle_input(at::Tensor embed_norm, at::Tensor feature_norm, bool norm_before_residual) {
+    TORCH_CHECK(layers_.size() == 1 && aux_layers_.empty(), "set_eagle_input: a head has one layer, no aux layers");
+    embed_norm_ = embed_norm;
+    feature_norm_ = feature_norm;
+    norm_before_residual_ = norm_before_residual;
+  }
+
+  // One head pass from plain lists and the rows' features [T, H]: returns (the head's hidden states [T, H] before
+  // its output norm, the float32 logits of `rows` after it, their argmax).
+  std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> head_step(
+      const std::vector<int64_t>& ids, const at::Tensor& features, const std::vector<int64_t>& positions,
+      const std::vector<int64_t>& slots, const std::vector<std::vector<int64_t>>& tables,
+      const std::vector<int64_t>& seq_lens, const std::vector<int64_t>& qsl, const std::vector<int64_t>& rows) {
+    TORCH_CHECK(head_.w.defined() && embed_norm_.defined(), "FusedDecoder.head_step: set_head, set_eagle_input");
+    TORCH_CHECK(features.dim() == 2 && features.size(0) == static_cast<int64_t>(ids.size()) &&
+                    features.size(1) == embed_.size(1), "head_step: features [T, H]");
+    at::Tensor h;
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, embed_.scalar_type(), "fused_head", [&] {
+      h = head_run<scalar_t>(i64(ids), features.to(embed_.scalar_type()).contiguous(), i64(positions), i64(slots),
+                             block_table(tables), i64(seq_lens), i64(qsl));
+    });
+    at::Tensor y = at::empty_like(h);
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "fused_head_norm", [&] {
+      rms_norm_rows<scalar_t>(h.data_ptr<scalar_t>(), final_norm_.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
+                              h.size(0), h.size(1), static_cast<float>(eps_));
+    });
+    auto [logits, best] = head_rows(y, rows);
+    return {h, logits, best};
   }
 
   // ids, positions [T] int64 and the attention layout (as AttentionMetadata) -> [final normed hidden [T, H]], and
@@ -225,62 +239,66 @@ class FusedDecoder {
   void set_aux_layers(std::vector<int64_t> aux_layers) { aux_layers_ = std::move(aux_layers); }
 
  private:
+  static at::Tensor i64(const std::vector<int64_t>& v) { return at::tensor(at::ArrayRef<int64_t>(v), at::kLong); }
+
+  static at::Tensor block_table(const std::vector<std::vector<int64_t>>& tables) {  // padded with block 0
+    const int64_t B = static_cast<int64_t>(tables.size());
+    int64_t width = 1;
+    for (const auto& t : tables) width = std::max<int64_t>(width, static_cast<int64_t>(t.size()));
+    at::Tensor bt = at::zeros({B, width}, at::kLong);
+    for (int64_t b = 0; b < B; ++b) std::copy(tables[b].begin(), tables[b].end(), bt.data_ptr<int64_t>() + b * width);
+    return bt;
+  }
+
+  // The head's float32 logits for `rows` of the normed hidden states [T, H], and each row's argmax (the first
+  // maximum, as torch.argmax).
+  std::pair<at::Tensor, std::vector<int64_t>> head_rows(const at::Tensor& hidden, const std::vector<int64_t>& rows) {
+    const int64_t T_ = hidden.size(0);
+    bool all_rows = static_cast<int64_t>(rows.size()) == T_;
+    for (int64_t r = 0; all_rows && r < T_; ++r) all_rows = rows[r] == r;
+    at::Tensor logits = at::empty({0, 0}, hidden.options().dtype(at::kFloat));
+    std::vector<int64_t> best(rows.size());
+    if (!rows.empty()) {
+      logits = apply(head_, all_rows ? hidden : hidden.index_select(0, i64(rows))).to(at::kFloat);
+      const int64_t V = logits.size(1);
+      for (size_t r = 0; r < rows.size(); ++r) {
+        const float* l = logits.data_ptr<float>() + r * V;
+        int64_t arg = 0;
+        for (int64_t v = 1; v < V; ++v)
+          if (l[v] > l[arg]) arg = v;
+        best[r] = arg;
+      }
+    }
+    return {logits, best};
+  }
+
+  template <typename T>
+  at::Tensor head_run(const at::Tensor& ids, const at::Tensor& f, const at::Tensor& positions, const at::Tensor& slots,
+                      const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& qsl) {
+    const int64_t T_ = ids.size(0), H = embed_.size(1);
+    const float eps = static_cast<float>(eps_);
+    check_positions(positions);
+    at::Tensor e = embed_.index_select(0, ids), ne = at::empty_like(e), nf = at::empty_like(f);
+    rms_norm_rows<T>(e.data_ptr<T>(), embed_norm_.data_ptr<T>(), ne.data_ptr<T>(), T_, H, eps);
+    rms_norm_rows<T>(f.data_ptr<T>(), feature_norm_.data_ptr<T>(), nf.data_ptr<T>(), T_, H, eps);
+    at::Tensor x = norm_before_residual_ ? nf.clone() : f.clone();  // the residual stream
+    layer<T>(layers_[0], x, at::cat({ne, nf}, 1), positions, slots, tables, lens, qsl);
+    return x;
+  }
+
   template <typename T>
   std::vector<at::Tensor> run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slots,
                               const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& qsl) {
-    const int64_t T_ = ids.size(0), H = embed_.size(1), D = d_, QW = nh_ * D, KW = nkv_ * D;
+    const int64_t T_ = ids.size(0), H = embed_.size(1);
     const float eps = static_cast<float>(eps_);
-    const int64_t* pos = positions.data_ptr<int64_t>();
-    const int64_t max_pos = cos_.size(0);
-    for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position out of range");
+    check_positions(positions);
     at::Tensor x = embed_.index_select(0, ids);  // [T, H] residual stream
     at::Tensor h = at::empty_like(x);
     at::Tensor aux;  // the aux layers' outputs (the residual stream after each), side by side
     if (!aux_layers_.empty()) aux = at::empty({T_, static_cast<int64_t>(aux_layers_.size()) * H}, x.options());
-    std::vector<T> tmp(D);
     for (const Layer& l : layers_) {
-      // ---- attention block
       rms_norm_rows<T>(x.data_ptr<T>(), l.in_norm.data_ptr<T>(), h.data_ptr<T>(), T_, H, eps);
-      at::Tensor qkv = apply(l.qkv, h);  // [T, QW + 2 KW]
-      T* qp = qkv.data_ptr<T>();
-      const int64_t row = QW + 2 * KW;
-      for (int64_t t = 0; t < T_; ++t) {
-        const float* c = cos_.data_ptr<float>() + pos[t] * D;
-        const float* s = sin_.data_ptr<float>() + pos[t] * D;
-        for (int64_t hd = 0; hd < nh_ + nkv_; ++hd) {  // the query heads, then the key heads
-          T* head = qp + t * row + hd * D;
-          if (l.q_norm.defined()) {
-            const at::Tensor& w = hd < nh_ ? l.q_norm : l.k_norm;
-            rms_norm_rows<T>(head, w.data_ptr<T>(), head, 1, D, eps);
-          }
-          rope_head<T>(head, c, s, D, tmp.data());
-        }
-      }
-      at::Tensor q = qkv.narrow(1, 0, QW).view({T_, nh_, D});
-      at::Tensor k = qkv.narrow(1, QW, KW).view({T_, nkv_, D});
-      at::Tensor v = qkv.narrow(1, QW + KW, KW).view({T_, nkv_, D});
-      const int64_t li_ = &l - layers_.data();
-      const at::Tensor& cache = kv_caches_[li_];
-      c10::optional<at::Tensor> ks, vs;  // an int8 cache's scales (set_kv_scales)
-      if (!kv_scales_.empty()) {
-        ks = kv_scales_[li_][0];
-        vs = kv_scales_[li_][1];
-      }
-      at::Tensor o = paged_decode(q, k, v, cache[0], cache[1], slots, tables, lens, qsl, scale_, l.window, ks, vs);
-      at::Tensor attn = apply(l.o, o.view({T_, QW}));
-      add_into<T>(x, attn);
-      // ---- MLP block
-      rms_norm_rows<T>(x.data_ptr<T>(), l.post_norm.data_ptr<T>(), h.data_ptr<T>(), T_, H, eps);
-      at::Tensor gu = apply(l.gate_up, h);  // [T, 2 I]
-      const int64_t I = gu.size(1) / 2;
-      at::Tensor act = at::empty({T_, I}, x.options());
-      const T* g = gu.data_ptr<T>();
-      T* a = act.data_ptr<T>();
-      for (int64_t t = 0; t < T_; ++t)
-#pragma omp simd
-        for (int64_t i = 0; i < I; ++i)  // silu(gate), rounded to T as torch's op does, times up
-          a[t * I + i] = static_cast<T>(silu(static_cast<float>(g[t * 2 * I + i]))) * g[t * 2 * I + I + i];
-      add_into<T>(x, apply(l.down, act));
+      layer<T>(l, x, h, positions, slots, tables, lens, qsl);
       const int64_t li = &l - layers_.data();
       for (size_t j = 0; j < aux_layers_.size(); ++j)
         if (aux_layers_[j] == li) aux.narrow(1, static_cast<int64_t>(j) * H, H).copy_(x);
@@ -291,6 +309,65 @@ class FusedDecoder {
     return {y};
   }
 
+
+  void check_positions(const at::Tensor& positions) const {
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    for (int64_t t = 0, n = positions.size(0); t < n; ++t)
+      TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_.size(0), "position out of range");
+  }
+
+  // One decoder layer on the residual stream x [T, H], in place, given its attention input h [T, Hin] (the
+  // normed stream for a target layer; an EAGLE head's concatenated norms, Hin = 2H).
+  template <typename T>
+  void layer(const Layer& l, at::Tensor& x, const at::Tensor& h, const at::Tensor& positions, const at::Tensor& slots,
+             const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& qsl) {
+    const int64_t T_ = x.size(0), H = x.size(1), D = d_, QW = nh_ * D, KW = nkv_ * D;
+    const float eps = static_cast<float>(eps_);
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    std::vector<T> tmp(D);
+    // ---- attention block
+    at::Tensor qkv = apply(l.qkv, h);  // [T, QW + 2 KW]
+    T* qp = qkv.data_ptr<T>();
+    const int64_t row = QW + 2 * KW;
+    for (int64_t t = 0; t < T_; ++t) {
+      const float* c = cos_.data_ptr<float>() + pos[t] * D;
+      const float* s = sin_.data_ptr<float>() + pos[t] * D;
+      for (int64_t hd = 0; hd < nh_ + nkv_; ++hd) {  // the query heads, then the key heads
+        T* head = qp + t * row + hd * D;
+        if (l.q_norm.defined()) {
+          const at::Tensor& w = hd < nh_ ? l.q_norm : l.k_norm;
+          rms_norm_rows<T>(head, w.data_ptr<T>(), head, 1, D, eps);
+        }
+        rope_head<T>(head, c, s, D, tmp.data());
+      }
+    }
+    at::Tensor q = qkv.narrow(1, 0, QW).view({T_, nh_, D});
+    at::Tensor k = qkv.narrow(1, QW, KW).view({T_, nkv_, D});
+    at::Tensor v = qkv.narrow(1, QW + KW, KW).view({T_, nkv_, D});
+    const int64_t li = &l - layers_.data();
+    const at::Tensor& cache = kv_caches_[li];
+    c10::optional<at::Tensor> ks, vs;  // an int8 cache's scales (set_kv_scales)
+    if (!kv_scales_.empty()) {
+      ks = kv_scales_[li][0];
+      vs = kv_scales_[li][1];
+    }
+    at::Tensor o = paged_decode(q, k, v, cache[0], cache[1], slots, tables, lens, qsl, scale_, l.window, ks, vs);
+    add_into<T>(x, apply(l.o, o.view({T_, QW})));
+    // ---- MLP block
+    at::Tensor hm = at::empty_like(x);
+    rms_norm_rows<T>(x.data_ptr<T>(), l.post_norm.data_ptr<T>(), hm.data_ptr<T>(), T_, H, eps);
+    at::Tensor gu = apply(l.gate_up, hm);  // [T, 2 I]
+    const int64_t I = gu.size(1) / 2;
+    at::Tensor act = at::empty({T_, I}, x.options());
+    const T* g = gu.data_ptr<T>();
+    T* a = act.data_ptr<T>();
+    for (int64_t t = 0; t < T_; ++t)
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i)  // silu(gate), rounded to T as torch's op does, times up
+        a[t * I + i] = static_cast<T>(silu(static_cast<float>(g[t * 2 * I + i]))) * g[t * 2 * I + I + i];
+    add_into<T>(x, apply(l.down, act));
+  }
+
   template <typename T>
   static void add_into(at::Tensor& x, const at::Tensor& y) {  // x = x + y, rounded to T (the residual)
     T* xp = x.data_ptr<T>();
@@ -299,6 +376,8 @@ class FusedDecoder {
   }
 
   at::Tensor embed_, final_norm_, cos_, sin_;
+  at::Tensor embed_norm_, feature_norm_;  // EAGLE head mode (set_eagle_input)
+  bool norm_before_residual_ = false;
   Lin head_;  // set_head(); step() applies it
   std::vector<at::Tensor> kv_caches_;  // per layer [2, num_blocks, block_size, NKV, D]
   std::vector<at::Tensor> kv_scales_;  // int8 caches: per layer [2, num_blocks, block_size, NKV] float32; else empty
@@ -323,6 +402,11 @@ void bind_fused_decoder(pybind11::module& m) {
       .def("set_kv_scales", &FusedDecoder::set_kv_scales, "per layer [2, num_blocks, block_size, NKV] float32: "
            "the caches are int8 (--kv-cache-dtype int8)")
       .def("set_aux_layers", &FusedDecoder::set_aux_layers, "layer indices whose outputs the next steps return")
+      .def("set_eagle_input", &FusedDecoder::set_eagle_input, "embed_norm, feature_norm, norm_before_residual: "
+           "this decoder is an EAGLE head's one layer (head_step)")
+      .def("head_step", &FusedDecoder::head_step, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "ids, features [T, H], positions, slots, block tables, seq_lens, query_start_loc, rows (lists but "
+           "features) -> (hidden before the output norm [T, H], float32 logits of rows, their argmax)")
       .def("step", &FusedDecoder::step, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "ids, positions, slots, block tables, seq_lens, query_start_loc, rows (lists) -> (hidden, aux or None, "
            "float32 logits of rows, their argmax)")
