@@ -6,9 +6,11 @@ For each of DP=1 and DP=2 it starts a real server on the bundled model (or --mod
 P50 latency for both, the DP=2 / DP=1 ratios against the issue's bar (>= 1.6x tokens/s at c=16 with P50 not
 worse; no slower at c=1), and the CPU seconds the server's process tree spent per 1,000 output tokens
 (/proc: utime + stime of the server and its replicas), a figure that a busy machine disturbs less than wall
-time.
+time. Then, with --ceiling, what two replicas could make at best here: in this process, no server, no client,
+one engine on one thread decodes the bucket's prompts in batches of 8 and of 16, alternating; two replicas of 8
+on two cores to themselves make at most 2 x rate(8), so 2 x rate(8) / rate(16) bounds DP=2 / DP=1 at c=16.
 
-    python scripts/bench_replicas.py [--model DIR] [--num-prompts N] [--rounds 4] [--output-len N]
+    python scripts/bench_replicas.py [--model DIR] [--num-prompts N] [--rounds 4] [--output-len N] [--ceiling]
 """
 
 from __future__ import annotations
@@ -79,6 +81,30 @@ def measure(url: str, pid: int, c: int, args) -> dict:
             "mismatches": g["output_len_mismatches"]}
 
 
+def ceiling(model: str, dtype: str, output_len: int | None, rounds: int = 3) -> tuple[float, float]:
+    """Decode rates (output tok/s, best of `rounds`) of one engine on one thread over the medium bucket's prompts
+    in batches of 8 and of 16: the most a replica of each size makes with a core to itself."""
+    import json
+    import time
+
+    from leverlab import LLM, SamplingParams
+
+    bucket = json.loads((ROOT / "models" / "workload.json").read_text())["buckets"]["medium"]
+    texts = [p["text"] for p in bucket["prompts"]]
+    params = SamplingParams(temperature=0, max_tokens=output_len or bucket["output_len"], ignore_eos=True)
+    llm = LLM(model, dtype=dtype, num_threads=1, max_num_seqs=16)
+    llm.generate(texts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    best = {8: 0.0, 16: 0.0}
+    for r in range(rounds):
+        for n in (8, 16) if r % 2 == 0 else (16, 8):
+            batch = texts[(r * 16) % len(texts):][:n]  # fresh prompts each round: prefix-cache hits would flatter
+            t = time.perf_counter()
+            outs = llm.generate(batch, params)
+            best[n] = max(best[n], sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
+    llm.close()
+    return best[8], best[16]
+
+
 def main() -> int:
     from leverlab.config import default_model_path
 
@@ -89,6 +115,7 @@ def main() -> int:
                     help="medium-bucket prompts, cycled (default: the whole bucket, as `leverlab bench`)")
     ap.add_argument("--rounds", type=int, default=4, help="requests per level: max(prompts, rounds x c)")
     ap.add_argument("--output-len", type=int, default=None, help="fixed output length (default: the bucket's)")
+    ap.add_argument("--ceiling", action="store_true", help="also measure what two replicas could make at best here")
     args = ap.parse_args()
 
     results: dict[tuple[int, int], dict] = {}
@@ -115,6 +142,12 @@ def main() -> int:
             if c == 16 else [(f"c=1 no slower (tok/s {tput:.2f}x)", tput >= 1.0)]
     for what, ok in bars:
         print(f"  bar: {what}: {'met' if ok else 'NOT met'}")
+    if args.ceiling:
+        r8, r16 = ceiling(args.model, args.dtype, args.output_len)
+        print(f"\nin process, one engine on one thread, no server or client (prefill included): batch 8 {r8:.1f} "
+              f"tok/s, batch 16 {r16:.1f}; two replicas of 8 could make at most 2 x {r8:.1f} = {2 * r8:.1f} tok/s, "
+              f"{2 * r8 / r16:.2f}x one engine of 16 and {2 * r8 / results[(1, 16)]['tok_s']:.2f}x the one-replica "
+              "server measured above")
     return 0
 
 
