@@ -283,9 +283,7 @@ class EagleProposer:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, H] (normed) -> float32 logits [B, V] over the TARGET's vocabulary."""
-        if self.draft_head is None:  # before attach() (tests of the head alone)
-            return self.target.compute_logits(hidden)
-        small = self.draft_head(hidden).float()
+        small = self.draft_head(hidden).float()  # draft_head: set by attach()
         return self._to_target(small) if self.head.lm_head is not None else small
 
     def _to_target(self, small: torch.Tensor) -> torch.Tensor:
