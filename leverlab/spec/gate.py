@@ -13,7 +13,9 @@ often is set by what a probe costs, as measured: the time a probe run loses agai
 EAGLE, the extra time of the plain steps that capture features for it) is kept to BUDGET of the time between
 probes, so a loser far behind is probed seldom (at most every MAX_PERIOD decisions) and one close behind about
 every PROBE_EVERY. A new bucket first measures both arms RUN times each (for a bounded number of steps); an arm
-with no measurement yet counts as slower.
+with no measurement yet counts as slower. Those first tries run where the bucket began, at the start of its
+requests' outputs, which can be unlike the rest, so the first probe comes soon after them (SECOND_LOOK) and
+measures the probed arm afresh.
 A wrong foretelling (capture_next) costs one step's capture or one step's drafts, never a token: those
 steps are left out of the measurements.
 
@@ -71,6 +73,7 @@ class _Bucket:
     capture: _Arm = field(default_factory=_Arm)  # plain steps that captured features for a speculating run
     steps: int = 0  # decisions made in this bucket
     last_probe: int = 0  # the decision at which the latest probe run started (0: none yet)
+    tried: int = 0  # the decision at which both arms had their first RUN measured steps (0: not yet)
     run_arm: bool | None = None  # the arm of the run in progress (probe or first tries)
     run_left: int = 0
     last_arm: bool | None = None  # the latest decision
@@ -88,6 +91,11 @@ class ThroughputGate:
     # The first WARM speculating steps after plain ones are therefore run but not measured.
     WARM = 2
     LEAD = 8  # plain steps before a speculating run that capture features for it (EAGLE)
+    # The first probe comes SECOND_LOOK decisions after the first tries, not a whole period: a new bucket's first
+    # few speculating steps can read low for reasons that pass (an n-gram arm before the output repeats itself),
+    # and following the other arm for a period on that had cost the first 128-token generation at c = 1 most of
+    # its speculation (65 plain steps of 89 where speculating ran 1.3-1.9x plain decoding; session 16).
+    SECOND_LOOK = 16
 
     def __init__(self, needs_capture: bool):
         self.needs_capture = needs_capture
@@ -121,10 +129,11 @@ class ThroughputGate:
         speculating probe also has LEAD plain steps before it that capture features, each costing what a
         capturing step takes over a plain one.
         Taken from the measurements as they are at each decision: the probe that just ran counts. The first
-        probe comes after `period` whatever the first tries measured: a few unrepresentative steps (an n-gram
-        arm before the output repeats itself) must not shut a bucket for long."""
+        probe comes SECOND_LOOK decisions after the first tries (`period` after the bucket's start if they never
+        completed) whatever they measured: a few unrepresentative steps (an n-gram arm before the output repeats
+        itself) must not shut a bucket for long."""
         if b.last_probe == 0:
-            return self.period
+            return b.tried + self.SECOND_LOOK if b.tried else self.period  # (absolute: last_probe is 0)
         best = b.best()
         win, lose = b.arms[best], b.arms[not best]
         if not (win.rate > 0 and lose.rate > 0 and win.step_s > 0):
@@ -140,10 +149,17 @@ class ThroughputGate:
         if b is None:
             b = self.buckets[k] = _Bucket()
         b.steps += 1
+        if not b.tried and all(a.samples >= self.RUN for a in b.arms.values()):
+            b.tried = b.steps
         if b.run_left <= 0:
             b.run_arm = self._next_run(b, b.steps)
             b.run_left = 0 if b.run_arm is None else self.run if b.run_arm else self.RUN
-            if b.run_arm is not None and b.steps > self.first_tries:
+            if b.run_arm is not None and (b.tried or b.steps > self.first_tries):  # a probe, not a first try
+                if b.last_probe == 0 and b.tried:
+                    # The second look measures the probed arm afresh: its first tries ran where the bucket
+                    # began, at the start of its requests' outputs, which can be unlike the rest (the bundled
+                    # EAGLE head's first 4 drafts of an output are all rejected, then ~2 of 3 are accepted).
+                    b.arms[b.run_arm] = _Arm()
                 b.last_probe = b.steps
         if b.run_arm is not None:
             b.run_left -= 1

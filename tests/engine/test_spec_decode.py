@@ -189,6 +189,24 @@ def test_gate_measures_a_skewed_yield_by_its_total():
     assert sum(shares) / len(shares) > 0.85 and min(shares) > 0.4, shares
 
 
+def test_gate_takes_a_second_look_after_an_unrepresentative_start():
+    """A bucket's first tries run where its requests' outputs begin, which can be unlike the rest: here the
+    speculating arm emits 1 token a step on its first 4 steps (the bundled EAGLE head's first drafts of an output
+    are all rejected), 3 afterwards, at 1.5 plain steps' time (2x plain decoding). The gate must look again soon,
+    with that arm measured afresh, and speculate from then on; it had followed plain decoding until its first
+    probe at decision 78, and then kept the first tries in the arm's window."""
+    from leverlab.spec.gate import ThroughputGate
+
+    g = ThroughputGate(needs_capture=False)
+    picks, spec_steps = [], 0
+    for _ in range(160):
+        arm = g.decide(1)
+        picks.append(arm)
+        spec_steps += arm
+        g.observe_step(1, arm, (1 if spec_steps <= 4 else 3) if arm else 1, 1.5 if arm else 1.0)
+    assert sum(picks[40:]) / len(picks[40:]) > 0.9, picks
+
+
 def test_gate_probes_a_far_losing_arm_seldom():
     """Probing costs about BUDGET of the time, as measured: a speculating arm at half the plain rate (and the
     plain steps that capture features for it, 1.3x a plain step) is probed far less often than one close
