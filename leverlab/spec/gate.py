@@ -13,7 +13,10 @@ often is set by what a probe costs, as measured: the time a probe run loses agai
 EAGLE, the extra time of the plain steps that capture features for it) is kept to BUDGET of the time between
 probes, so a loser far behind is probed seldom (at most every MAX_PERIOD decisions) and one close behind about
 every PROBE_EVERY. A new bucket first measures both arms RUN times each (for a bounded number of steps); an arm
-with no measurement yet counts as slower. Those first tries run where the bucket began, at the start of its
+with no measurement yet counts as slower; where a neighbouring bucket has measured both arms, only its better arm
+is tried first, and the other is first probed after a wait set by that bucket's margin (a batch size behaves
+like its neighbours, and a burst of requests, such as the study's one wave of 16, is over before an even split
+between the arms would have paid for itself). Those first tries run where the bucket began, at the start of its
 requests' outputs, which can be unlike the rest, so the first probe comes soon after them (SECOND_LOOK) and
 measures the probed arm afresh.
 A wrong foretelling (capture_next) costs one step's capture or one step's drafts, never a token: those
@@ -74,6 +77,9 @@ class _Bucket:
     steps: int = 0  # decisions made in this bucket
     last_probe: int = 0  # the decision at which the latest probe run started (0: none yet)
     tried: int = 0  # the decision at which both arms had their first RUN measured steps (0: not yet)
+    prior: bool | None = None  # the nearest measured bucket's better arm when this one began (None: none)
+    prior_wait: int = 0  # with a prior: the decision at which the other arm is first tried
+    looked: bool = False  # the first probe after both arms were measured has started (it measures afresh)
     run_arm: bool | None = None  # the arm of the run in progress (probe or first tries)
     run_left: int = 0
     last_arm: bool | None = None  # the latest decision
@@ -114,14 +120,32 @@ class ThroughputGate:
     def bucket_of(num_seqs: int) -> int:
         return round(math.log2(max(1, num_seqs)))
 
-    def _next_run(self, b: _Bucket, steps: int, pending: bool | None = None) -> bool | None:
-        """The arm a run starting at decision number `steps` would take (None: no run, follow the best).
-        pending: the arm of a step decided but not measured yet (capture_next looks one step ahead)."""
-        if steps <= self.first_tries:  # a new bucket first measures each arm RUN times (steps that prefill
-            for arm in (True, False):  # do not count, hence a bound rather than a fixed schedule)
+    def _next_run(self, b: _Bucket, steps: int, pending: bool | None = None) -> tuple[bool | None, bool]:
+        """The arm a run starting at decision number `steps` would take (None: no run, follow the best), and
+        whether that run is a probe. pending: the arm of a step decided but not measured yet (capture_next looks
+        one step ahead)."""
+        if steps <= self.first_tries:  # a new bucket first measures each arm RUN times (steps that prefill do
+            # not count, hence a bound rather than a fixed schedule); with a prior, only the prior's arm
+            for arm in (True, False) if b.prior is None else (b.prior,):
                 if b.arms[arm].samples + (pending is arm) < self.RUN:
-                    return arm
-        return (not b.best()) if steps >= b.last_probe + self.probe_period(b) else None
+                    return arm, False
+        if steps >= b.last_probe + self.probe_period(b):
+            return not b.best(), True
+        return None, False
+
+    def _prior(self, k: int) -> tuple[bool | None, int]:
+        """A new bucket's prior: the better arm of the nearest bucket whose arms are both measured (the smaller
+        batch on a tie), and the decision at which to first try the other arm, from that bucket's margin by
+        probe_period's rule (a run of the loser costs about BUDGET of the time before it), between SECOND_LOOK
+        and `period`."""
+        near = sorted((abs(j - k), j) for j, b in self.buckets.items() if b.tried)
+        if not near:
+            return None, 0
+        b = self.buckets[near[0][1]]
+        best = b.best()
+        win, lose = b.arms[best].rate, b.arms[not best].rate
+        lost = self.RUN * max(0.0, 1 - lose / win) if win > 0 else 0.0
+        return best, int(min(self.period, max(self.SECOND_LOOK, lost / BUDGET)))
 
     def probe_period(self, b: _Bucket) -> int:
         """Decisions from one probe run's start to the next, so that probing costs about BUDGET of the time.
@@ -129,11 +153,13 @@ class ThroughputGate:
         speculating probe also has LEAD plain steps before it that capture features, each costing what a
         capturing step takes over a plain one.
         Taken from the measurements as they are at each decision: the probe that just ran counts. The first
-        probe comes SECOND_LOOK decisions after the first tries (`period` after the bucket's start if they never
-        completed) whatever they measured: a few unrepresentative steps (an n-gram arm before the output repeats
+        probe comes SECOND_LOOK decisions after the first tries (with a prior, at prior_wait; `period` after the
+        bucket's start if they never completed) whatever they measured: a few unrepresentative steps (an n-gram arm before the output repeats
         itself) must not shut a bucket for long."""
-        if b.last_probe == 0:
-            return b.tried + self.SECOND_LOOK if b.tried else self.period  # (absolute: last_probe is 0)
+        if b.last_probe == 0:  # (absolute decision numbers: last_probe is 0)
+            if b.tried:
+                return b.tried + self.SECOND_LOOK
+            return b.prior_wait if b.prior is not None else self.period
         best = b.best()
         win, lose = b.arms[best], b.arms[not best]
         if not (win.rate > 0 and lose.rate > 0 and win.step_s > 0):
@@ -147,19 +173,22 @@ class ThroughputGate:
         """Speculate this step? num_seqs: decoding sequences this step. O(1): a dict lookup and counters."""
         b = self.buckets.get(k := self.bucket_of(num_seqs))
         if b is None:
-            b = self.buckets[k] = _Bucket()
+            prior, wait = self._prior(k)
+            b = self.buckets[k] = _Bucket(prior=prior, prior_wait=wait)
         b.steps += 1
         if not b.tried and all(a.samples >= self.RUN for a in b.arms.values()):
             b.tried = b.steps
         if b.run_left <= 0:
-            b.run_arm = self._next_run(b, b.steps)
+            b.run_arm, probe = self._next_run(b, b.steps)
             b.run_left = 0 if b.run_arm is None else self.run if b.run_arm else self.RUN
-            if b.run_arm is not None and (b.tried or b.steps > self.first_tries):  # a probe, not a first try
-                if b.last_probe == 0 and b.tried:
-                    # The second look measures the probed arm afresh: its first tries ran where the bucket
-                    # began, at the start of its requests' outputs, which can be unlike the rest (the bundled
-                    # EAGLE head's first 4 drafts of an output are all rejected, then ~2 of 3 are accepted).
+            if probe:
+                if b.tried and not b.looked:
+                    # The first probe after both arms were measured measures its arm afresh: the first tries
+                    # ran where the bucket began, at the start of its requests' outputs, which can be unlike the
+                    # rest (the bundled EAGLE head's first 4 drafts of an output are all rejected, then ~2 of 3
+                    # are accepted).
                     b.arms[b.run_arm] = _Arm()
+                    b.looked = True
                 b.last_probe = b.steps
         if b.run_arm is not None:
             b.run_left -= 1
@@ -191,7 +220,7 @@ class ThroughputGate:
         for j in range(self.LEAD):  # a new bucket's first tries: the next decisions, as decide() will take them
             steps += 1
             if left <= 0:
-                arm = self._next_run(b, steps, b.last_arm if j == 0 else None)
+                arm, _ = self._next_run(b, steps, b.last_arm if j == 0 else None)
                 left = 0 if arm is None else self.run if arm else self.RUN
             if arm is not None:
                 left -= 1

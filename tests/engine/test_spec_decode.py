@@ -207,6 +207,30 @@ def test_gate_takes_a_second_look_after_an_unrepresentative_start():
     assert sum(picks[40:]) / len(picks[40:]) > 0.9, picks
 
 
+def test_a_new_batch_size_starts_from_its_neighbours_better_arm():
+    """A bucket that has measured both arms (here 1 sequence: speculating emits 2x plain decoding) is the prior of
+    a new one (16 sequences): a burst there runs the neighbour's better arm from its first step and tries the
+    other only after a wait set by the neighbour's margin, so a short burst is not split between the arms. Where
+    the prior is wrong for the new size (speculating at half the plain rate), the measurements still win."""
+    from leverlab.spec.gate import ThroughputGate
+
+    def burst(g, n, spec_speed, steps):
+        picks = []
+        for _ in range(steps):
+            arm = g.decide(n)
+            picks.append(arm)
+            g.observe_step(n, arm, tokens=round((spec_speed if arm else 1.0) * n * 10), seconds=1.0)
+        return picks
+
+    for spec_at_16, want in ((1.5, True), (0.5, False)):
+        g = ThroughputGate(needs_capture=False)
+        burst(g, 1, 2.0, 200)
+        picks = burst(g, 16, spec_at_16, 300)
+        if want:
+            assert all(picks[:40]), picks[:40]  # no even split at the start of the burst
+        assert sum(a == want for a in picks[150:]) / 150 > 0.9, (spec_at_16, picks)
+
+
 def test_gate_probes_a_far_losing_arm_seldom():
     """Probing costs about BUDGET of the time, as measured: a speculating arm at half the plain rate (and the
     plain steps that capture features for it, 1.3x a plain step) is probed far less often than one close
