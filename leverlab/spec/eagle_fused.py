@@ -56,6 +56,8 @@ def _build(head, embed, draft_head, kv_cache) -> FusedHead:
     dtype = embed.dtype
     if draft_head.bias is not None:
         raise _NotFused("a drafting head with a bias")
+    # The layer's four norm slots (in_norm, post_norm, q_norm, k_norm); head_step never reads in_norm (the
+    # attention input is set_eagle_input's two norms), so the embedding's norm fills it.
     norms = [head.embed_norm.weight, head.post_attention_layernorm.weight,
              head.q_norm.weight if head.q_norm is not None else None,
              head.k_norm.weight if head.k_norm is not None else None]

@@ -154,8 +154,8 @@ class ThroughputGate:
         capturing step takes over a plain one.
         Taken from the measurements as they are at each decision: the probe that just ran counts. The first
         probe comes SECOND_LOOK decisions after the first tries (with a prior, at prior_wait; `period` after the
-        bucket's start if they never completed) whatever they measured: a few unrepresentative steps (an n-gram arm before the output repeats
-        itself) must not shut a bucket for long."""
+        bucket's start if they never completed) whatever they measured: a few unrepresentative steps (an n-gram
+        arm before the output repeats itself) must not shut a bucket for long."""
         if b.last_probe == 0:  # (absolute decision numbers: last_probe is 0)
             if b.tried:
                 return b.tried + self.SECOND_LOOK
