@@ -14,6 +14,9 @@ Flow each step:
                    with the first draft), then one pass per further draft, feeding the head's own output
                    hidden state as the feature; draft rows are never counted as computed, so the next
                    catch-up overwrites them with rows built from the target's real features.
+A pass (`_run`) is one C++ call where it can be (spec/eagle_fused.py: the CPU, at most 16 rows per sequence)
+and the head's modules otherwise; both return the hidden states and the drafting logits of the rows that draft.
+What drafting reads may be int8 (`quantization` in the speculative config; `_drafting_weights`).
 Invariant: next_position is the target position after the last feature received (pending or in the KV);
 the pending chunks are in position order, each a run of consecutive positions.
 """
