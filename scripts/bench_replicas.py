@@ -34,10 +34,15 @@ from server_proc import free_port, stop, wait_ready  # noqa: E402
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+def _stat(proc: Path) -> tuple[int, float]:
+    """(parent pid, CPU seconds: user + system) from /proc/<pid>/stat."""
+    fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
+
+
 def own_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of pid alone (with DP=2, the front process: HTTP, routing, streaming)."""
-    fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    """CPU seconds of pid alone (with DP=2, the front process: HTTP, routing, streaming)."""
+    return _stat(Path("/proc") / str(pid))[1]
 
 
 def tree_cpu_s(pid: int) -> float:
@@ -48,11 +53,9 @@ def tree_cpu_s(pid: int) -> float:
         if not d.name.isdigit():
             continue
         try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            parent[int(d.name)], cpu[int(d.name)] = _stat(d)
         except OSError:
             continue
-        parent[int(d.name)] = int(fields[1])
-        cpu[int(d.name)] = (int(fields[11]) + int(fields[12])) / TICK
     total, stack = 0.0, [pid]
     while stack:
         p = stack.pop()

@@ -140,6 +140,8 @@ class EagleProposer:
         return drafting
 
     def _embedding_table(self) -> torch.Tensor:
+        """The table drafted tokens are looked up in: the head's own (EAGLE-3 checkpoints may bring one), the
+        target's full copy at tensor-parallel size > 1, else the target's."""
         if self.head.embed_tokens is not None:
             return self.head.embed_tokens.weight.data
         if self.own_weights is not None:
@@ -278,11 +280,7 @@ class EagleProposer:
         return hidden, logits, logits.argmax(dim=-1).tolist()
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.head.embed_tokens is not None:  # a head with its own table (EAGLE-3 checkpoints may bring one)
-            return self.head.embed_tokens(ids)
-        if self.own_weights is not None:
-            return F.embedding(ids, self.own_weights[0])
-        return self.target.model.embed_tokens(ids)
+        return F.embedding(ids, self._embedding_table())
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, H] (normed) -> float32 logits [B, V] over the TARGET's vocabulary."""

@@ -209,15 +209,10 @@ class FusedDecoder {
     TORCH_CHECK(head_.w.defined() && embed_norm_.defined(), "FusedDecoder.head_step: set_head, set_eagle_input");
     TORCH_CHECK(features.dim() == 2 && features.size(0) == static_cast<int64_t>(ids.size()) &&
                     features.size(1) == embed_.size(1), "head_step: features [T, H]");
-    at::Tensor h;
+    at::Tensor h, y;  // the head's hidden states, and after its output norm
     AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, embed_.scalar_type(), "fused_head", [&] {
-      h = head_run<scalar_t>(i64(ids), features.to(embed_.scalar_type()).contiguous(), i64(positions), i64(slots),
-                             block_table(tables), i64(seq_lens), i64(qsl));
-    });
-    at::Tensor y = at::empty_like(h);
-    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "fused_head_norm", [&] {
-      rms_norm_rows<scalar_t>(h.data_ptr<scalar_t>(), final_norm_.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
-                              h.size(0), h.size(1), static_cast<float>(eps_));
+      std::tie(h, y) = head_run<scalar_t>(i64(ids), features.to(embed_.scalar_type()).contiguous(), i64(positions),
+                                          i64(slots), block_table(tables), i64(seq_lens), i64(qsl));
     });
     auto [logits, best] = head_rows(y, rows);
     return {h, logits, best};
@@ -272,9 +267,11 @@ class FusedDecoder {
     return {logits, best};
   }
 
+  // -> (the head's hidden states [T, H], the same after its output norm)
   template <typename T>
-  at::Tensor head_run(const at::Tensor& ids, const at::Tensor& f, const at::Tensor& positions, const at::Tensor& slots,
-                      const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& qsl) {
+  std::pair<at::Tensor, at::Tensor> head_run(const at::Tensor& ids, const at::Tensor& f, const at::Tensor& positions,
+                                             const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lens,
+                                             const at::Tensor& qsl) {
     const int64_t T_ = ids.size(0), H = embed_.size(1);
     const float eps = static_cast<float>(eps_);
     check_positions(positions);
@@ -282,8 +279,11 @@ class FusedDecoder {
     rms_norm_rows<T>(e.data_ptr<T>(), embed_norm_.data_ptr<T>(), ne.data_ptr<T>(), T_, H, eps);
     rms_norm_rows<T>(f.data_ptr<T>(), feature_norm_.data_ptr<T>(), nf.data_ptr<T>(), T_, H, eps);
     at::Tensor x = norm_before_residual_ ? nf.clone() : f.clone();  // the residual stream
-    layer<T>(layers_[0], x, at::cat({ne, nf}, 1), positions, slots, tables, lens, qsl);
-    return x;
+    at::Tensor y = at::empty_like(x);  // the MLP norm's buffer, then the output norm's
+    std::vector<T> tmp(d_);
+    layer<T>(layers_[0], x, at::cat({ne, nf}, 1), y, tmp, positions, slots, tables, lens, qsl);
+    rms_norm_rows<T>(x.data_ptr<T>(), final_norm_.data_ptr<T>(), y.data_ptr<T>(), T_, H, eps);
+    return {x, y};
   }
 
   template <typename T>
@@ -296,9 +296,10 @@ class FusedDecoder {
     at::Tensor h = at::empty_like(x);
     at::Tensor aux;  // the aux layers' outputs (the residual stream after each), side by side
     if (!aux_layers_.empty()) aux = at::empty({T_, static_cast<int64_t>(aux_layers_.size()) * H}, x.options());
+    std::vector<T> tmp(d_);
     for (const Layer& l : layers_) {
       rms_norm_rows<T>(x.data_ptr<T>(), l.in_norm.data_ptr<T>(), h.data_ptr<T>(), T_, H, eps);
-      layer<T>(l, x, h, positions, slots, tables, lens, qsl);
+      layer<T>(l, x, h, h, tmp, positions, slots, tables, lens, qsl);
       const int64_t li = &l - layers_.data();
       for (size_t j = 0; j < aux_layers_.size(); ++j)
         if (aux_layers_[j] == li) aux.narrow(1, static_cast<int64_t>(j) * H, H).copy_(x);
@@ -317,14 +318,16 @@ class FusedDecoder {
   }
 
   // One decoder layer on the residual stream x [T, H], in place, given its attention input h [T, Hin] (the
-  // normed stream for a target layer; an EAGLE head's concatenated norms, Hin = 2H).
+  // normed stream for a target layer; an EAGLE head's concatenated norms, Hin = 2H). hm [T, H]: the buffer the MLP
+  // block's norm is written to (a target layer's h again), tmp: D elements of rotary scratch; both the caller's,
+  // so that a step allocates them once, not per layer.
   template <typename T>
-  void layer(const Layer& l, at::Tensor& x, const at::Tensor& h, const at::Tensor& positions, const at::Tensor& slots,
-             const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& qsl) {
+  void layer(const Layer& l, at::Tensor& x, const at::Tensor& h, at::Tensor& hm, std::vector<T>& tmp,
+             const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lens,
+             const at::Tensor& qsl) {
     const int64_t T_ = x.size(0), H = x.size(1), D = d_, QW = nh_ * D, KW = nkv_ * D;
     const float eps = static_cast<float>(eps_);
     const int64_t* pos = positions.data_ptr<int64_t>();
-    std::vector<T> tmp(D);
     // ---- attention block
     at::Tensor qkv = apply(l.qkv, h);  // [T, QW + 2 KW]
     T* qp = qkv.data_ptr<T>();
@@ -354,7 +357,6 @@ class FusedDecoder {
     at::Tensor o = paged_decode(q, k, v, cache[0], cache[1], slots, tables, lens, qsl, scale_, l.window, ks, vs);
     add_into<T>(x, apply(l.o, o.view({T_, QW})));
     // ---- MLP block
-    at::Tensor hm = at::empty_like(x);
     rms_norm_rows<T>(x.data_ptr<T>(), l.post_norm.data_ptr<T>(), hm.data_ptr<T>(), T_, H, eps);
     at::Tensor gu = apply(l.gate_up, hm);  // [T, 2 I]
     const int64_t I = gu.size(1) / 2;
