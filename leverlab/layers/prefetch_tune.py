@@ -10,7 +10,10 @@ The kernels read a decode step's weights as one stream and prefetch ahead of it 
        matrices read int4 at 23.0 GB/s (17.0 off, 13.3 nta; torch.sum 26.1).
   off  no software prefetch: on that Xeon, whose L3 is a victim cache, non-temporal lines skip L3, so a model that
        fits there was read from memory again every step with nta (the bundled model, bf16, one thread: 171 tok/s
-       with nta, 265-294 without; session 8).
+       with nta, 265-294 without; session 8). On a Zen 4 (session 17) it was the fastest for bf16 and int8 single
+       streams of the 0.6B shape (1.13-1.15x and 1.24x nta's tok/s); int4 there, compute-bound, measured alike.
+The bf16 kernel follows the mode up to 4 activation rows (until session 17 it always prefetched T0 2 KB ahead);
+more rows are compute-bound and keep their own T0 prefetch (csrc/skinny_linear.cpp says why).
 So the loader times passes over the model's linear layers at one activation row, as a decode step reads them, in
 each mode after a settling pass in that mode, and keeps the fastest (nta unless another is clearly faster). Past
 MAX_BYTES of weights it times the first layers up to that size: still far beyond any cache, and a pass stays short.

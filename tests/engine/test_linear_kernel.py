@@ -31,6 +31,26 @@ def test_kernel_matches_aten(rows, n, k):
 
 
 @needs_kernel
+def test_every_prefetch_mode_computes_the_same():
+    """The prefetch mode is a template argument of the kernel (one instantiation per mode, picked per call):
+    each must give the same bits, at one row (where the mode applies) and at several."""
+    kern = bf16_linear.cpu_kernels.kernels()
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(203, 1000, generator=g).bfloat16()
+    held = kern.stream_prefetch()
+    try:
+        for rows in (1, 3, 16):
+            x = torch.randn(rows, 1000, generator=g).bfloat16()
+            outs = []
+            for mode in ("nta", "t0", "off"):
+                kern.set_stream_prefetch(mode)
+                outs.append(kern.skinny_linear(x, w, None))
+            assert all(torch.equal(outs[0], o) for o in outs[1:])
+    finally:
+        kern.set_stream_prefetch(held)
+
+
+@needs_kernel
 def test_linear_layer_uses_it_eager_and_compiled():
     layer = Linear(96, 40, bias=True).bfloat16()
     torch.nn.init.normal_(layer.weight)

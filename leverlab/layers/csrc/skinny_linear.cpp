@@ -204,11 +204,25 @@ inline __m512bh load_bf16(const uint16_t* p, __mmask32 mask) {
   return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
 
+// The software prefetch of one 64-byte line of weights, of the kind the loader measured for this model
+// (stream_hint.h), a template argument so that the choice costs nothing per line. t0 prefetches `Prefetch`
+// elements ahead (the distance of a sweep per row count, made on a Xeon where T0 prefetches paid); nta as the
+// quantized kernels do; off leaves the stream to the hardware prefetchers. Why each: on a Zen 4 (session 17,
+// a standalone pass over the Qwen3-0.6B shape's 113 matrices, two threads, 8 interleaved rounds, median) one row
+// read at 42 GB/s with T0 2 KB ahead, 40-42 with nta and 48-50 with no software prefetch at all, beside 43-47
+// for a plain read loop; the loader picks among them by timing (layers/prefetch_tune.py).
+template <int Mode, int64_t Prefetch>
+inline void prefetch_line(const uint16_t* here) {
+  if constexpr (Mode == kPrefetchAhead)
+    _mm_prefetch(reinterpret_cast<const char*>(here + Prefetch), _MM_HINT_T0);
+  else if constexpr (Mode == kPrefetchNonTemporal)
+    _mm_prefetch(reinterpret_cast<const char*>(here) + kNonTemporalAhead, _MM_HINT_NTA);
+}
+
 // Output column n for M activation rows: the dot products of row n of W with each row of x. U independent
 // accumulators per activation row (chunks k, k + 32, ... k + 32 (U - 1)) hide dpbf16ps's latency when M is
 // small; M * U <= 8 keeps them in registers (gcc spilled larger accumulator arrays and halved the rate).
-// The prefetch distance, in elements, runs ahead of the hardware prefetcher within and across rows.
-template <int M, int U, int64_t Prefetch>
+template <int Mode, int M, int U, int64_t Prefetch>
 inline void column(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, const float* bias, uint16_t* y,
                    int64_t ldy, int64_t n) {
   __m512 acc[M][U];
@@ -222,7 +236,7 @@ inline void column(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K,
     for (; k + 32 * U <= K; k += 32 * U) {
 #pragma GCC unroll 8
       for (int u = 0; u < U; ++u) {
-        _mm_prefetch(reinterpret_cast<const char*>(wr + k + 32 * u + Prefetch), _MM_HINT_T0);
+        prefetch_line<Mode, Prefetch>(wr + k + 32 * u);
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k + 32 * u);
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m)
@@ -232,7 +246,7 @@ inline void column(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K,
   }
   for (; k < K; k += 32) {  // U == 1: the whole row; otherwise the tail (masked past K)
     const __mmask32 mask = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
-    _mm_prefetch(reinterpret_cast<const char*>(wr + k + Prefetch), _MM_HINT_T0);
+    prefetch_line<Mode, Prefetch>(wr + k);
     const __m512bh wv = load_bf16(wr + k, mask);
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], load_bf16(x + m * ldx + k, mask), wv);
@@ -258,8 +272,8 @@ inline void column_pair(const uint16_t* x, int64_t ldx, const uint16_t* w, int64
   const uint16_t* w1 = w0 + K;
   for (int64_t k = 0; k < K; k += 32) {
     const __mmask32 mask = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
-    _mm_prefetch(reinterpret_cast<const char*>(w0 + k + 4096), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w1 + k + 4096), _MM_HINT_T0);
+    prefetch_line<kPrefetchAhead, 4096>(w0 + k);
+    prefetch_line<kPrefetchAhead, 4096>(w1 + k);
     const __m512bh v0 = load_bf16(w0 + k, mask), v1 = load_bf16(w1 + k, mask);
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
@@ -280,26 +294,31 @@ void column_pairs(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t n0,
                   const float* bias, uint16_t* y, int64_t ldy) {
   int64_t n = n0;
   for (; n + 2 <= n1; n += 2) column_pair<M>(x, ldx, w, K, bias, y, ldy, n);
-  if (n < n1) column<M, 1, 4096>(x, ldx, w, K, bias, y, ldy, n);
+  if (n < n1) column<kPrefetchAhead, M, 1, 4096>(x, ldx, w, K, bias, y, ldy, n);
 }
 
-template <int M, int U, int64_t Prefetch>
+template <int Mode, int M, int U, int64_t Prefetch>
 void columns(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t n0, int64_t n1, int64_t K, const float* bias,
              uint16_t* y, int64_t ldy) {
-  for (int64_t n = n0; n < n1; ++n) column<M, U, Prefetch>(x, ldx, w, K, bias, y, ldy, n);
+  for (int64_t n = n0; n < n1; ++n) column<Mode, M, U, Prefetch>(x, ldx, w, K, bias, y, ldy, n);
 }
 
 // Weight rows n0 .. n1 for M <= 8 activation rows: up to 4 rows one weight row at a time, with the unrolling and
 // prefetch distance (elements) of the best of a sweep per row count (scripts/bench_linear.py); from 5 rows on
 // weight rows in pairs (column_pair: 1.06-1.16x at 6-16 rows on the Qwen3-0.6B shape's matrices, two threads,
-// a Xeon, session 10).
+// a Xeon, session 10). The measured prefetch mode governs up to 4 rows, where the step is a memory stream; from
+// 5 rows on the loop is compute-heavy and keeps its T0 prefetch 8 KB ahead whatever the mode: on the Zen 4 of
+// session 17 (bf16 0.6B shape, two threads, in one process, modes alternating, median aggregate tok/s) one
+// sequence decoded at 19.9 with T0 and 22.9 with none, two at 34.4 and 54.8, four at 58.4 and 53.9, and
+// sixteen at 117.0 with T0, 92.4 with none.
+template <int Mode>
 void rows_upto8(int64_t M, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t n0, int64_t n1, int64_t K,
                 const float* bias, uint16_t* y, int64_t ldy) {
   switch (M) {
-    case 1: columns<1, 4, 1024>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
-    case 2: columns<2, 4, 1024>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
-    case 3: columns<3, 2, 1024>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
-    case 4: columns<4, 2, 1024>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
+    case 1: columns<Mode, 1, 4, 1024>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
+    case 2: columns<Mode, 2, 4, 1024>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
+    case 3: columns<Mode, 3, 2, 1024>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
+    case 4: columns<Mode, 4, 2, 1024>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
     case 5: column_pairs<5>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
     case 6: column_pairs<6>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
     case 7: column_pairs<7>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
@@ -307,23 +326,33 @@ void rows_upto8(int64_t M, const uint16_t* x, int64_t ldx, const uint16_t* w, in
   }
 }
 
-// x [M, K] -> y [M, N], M <= 8 (the caller checked the shapes).
-void linear(const torch::Tensor& x, const torch::Tensor& w, const float* bias, torch::Tensor& y) {
-  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
-  auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  auto yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const int64_t ldx = x.stride(0);
+// x [M, K] -> y [M, N], M <= 8 (the caller checked the shapes), in prefetch mode Mode.
+template <int Mode>
+void linear_as(const uint16_t* xp, int64_t ldx, const uint16_t* wp, int64_t M, int64_t N, int64_t K, const float* bias,
+               uint16_t* yp) {
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    if (M <= 8) return rows_upto8(M, xp, ldx, wp, n0, n1, K, bias, yp, N);
+    if (M <= 8) return rows_upto8<Mode>(M, xp, ldx, wp, n0, n1, K, bias, yp, N);
     // More rows: groups of 8 over blocks of kRows weight rows, so that past the first group each weight row is
     // read again from L1, not memory (group by group over the whole share would stream W once per group).
     constexpr int64_t kRows = 8;
     for (int64_t b0 = n0; b0 < n1; b0 += kRows)
       for (int64_t m0 = 0; m0 < M; m0 += 8)
-        rows_upto8(std::min<int64_t>(8, M - m0), xp + m0 * ldx, ldx, wp, b0, std::min(n1, b0 + kRows), K, bias,
-                   yp + m0 * N, N);
+        rows_upto8<Mode>(std::min<int64_t>(8, M - m0), xp + m0 * ldx, ldx, wp, b0, std::min(n1, b0 + kRows), K, bias,
+                         yp + m0 * N, N);
   });
+}
+
+// x [M, K] -> y [M, N] (the caller checked the shapes).
+void linear(const torch::Tensor& x, const torch::Tensor& w, const float* bias, torch::Tensor& y) {
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  switch (stream_prefetch_mode()) {
+    case kPrefetchOff: return linear_as<kPrefetchOff>(xp, x.stride(0), wp, M, N, K, bias, yp);
+    case kPrefetchNonTemporal: return linear_as<kPrefetchNonTemporal>(xp, x.stride(0), wp, M, N, K, bias, yp);
+    default: return linear_as<kPrefetchAhead>(xp, x.stride(0), wp, M, N, K, bias, yp);
+  }
 }
 
 }  // namespace dpbf16
