@@ -204,21 +204,12 @@ inline __m512bh load_bf16(const uint16_t* p, __mmask32 mask) {
   return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
 
-// The software prefetch of one 64-byte line of weights, of the kind the loader measured for this model
-// (stream_hint.h), a template argument so that the choice costs nothing per line. t0 prefetches `Prefetch`
-// elements ahead (the distance of a sweep per row count, made on a Xeon where T0 prefetches paid); nta as the
-// quantized kernels do; off leaves the stream to the hardware prefetchers. Why each: on a Zen 4 (session 17,
-// a standalone pass over the Qwen3-0.6B shape's 113 matrices, two threads, 8 interleaved rounds, median) one row
-// read at 42 GB/s with T0 2 KB ahead, 40-42 with nta and 48-50 with no software prefetch at all, beside 43-47
-// for a plain read loop; the loader picks among them by timing (layers/prefetch_tune.py).
-template <int Mode, int64_t Prefetch>
-inline void prefetch_line(const uint16_t* here) {
-  if constexpr (Mode == kPrefetchAhead)
-    _mm_prefetch(reinterpret_cast<const char*>(here + Prefetch), _MM_HINT_T0);
-  else if constexpr (Mode == kPrefetchNonTemporal)
-    _mm_prefetch(reinterpret_cast<const char*>(here) + kNonTemporalAhead, _MM_HINT_NTA);
-}
-
+// Each weight line's software prefetch is of the kind the loader measured for this model (stream_hint.h's
+// prefetch_as, the kind a template argument, chosen once per call in linear() below); the T0 kind runs `Prefetch`
+// elements ahead (the distance of a sweep per row count, made on a Xeon where T0 prefetches paid). Why the kind is
+// measured here too: on a Zen 4 (session 17, a standalone pass over the Qwen3-0.6B shape's 113 matrices, two
+// threads, 8 interleaved rounds, median) one row read at 42 GB/s with T0 2 KB ahead, 40-42 with nta and 48-50
+// with no software prefetch at all, beside 43-47 for a plain read loop.
 // Output column n for M activation rows: the dot products of row n of W with each row of x. U independent
 // accumulators per activation row (chunks k, k + 32, ... k + 32 (U - 1)) hide dpbf16ps's latency when M is
 // small; M * U <= 8 keeps them in registers (gcc spilled larger accumulator arrays and halved the rate).
@@ -236,7 +227,7 @@ inline void column(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K,
     for (; k + 32 * U <= K; k += 32 * U) {
 #pragma GCC unroll 8
       for (int u = 0; u < U; ++u) {
-        prefetch_line<Mode, Prefetch>(wr + k + 32 * u);
+        prefetch_as<Mode, 2 * Prefetch>(wr + k + 32 * u);
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k + 32 * u);
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m)
@@ -246,7 +237,7 @@ inline void column(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K,
   }
   for (; k < K; k += 32) {  // U == 1: the whole row; otherwise the tail (masked past K)
     const __mmask32 mask = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
-    prefetch_line<Mode, Prefetch>(wr + k);
+    prefetch_as<Mode, 2 * Prefetch>(wr + k);
     const __m512bh wv = load_bf16(wr + k, mask);
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], load_bf16(x + m * ldx + k, mask), wv);
@@ -272,8 +263,8 @@ inline void column_pair(const uint16_t* x, int64_t ldx, const uint16_t* w, int64
   const uint16_t* w1 = w0 + K;
   for (int64_t k = 0; k < K; k += 32) {
     const __mmask32 mask = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
-    prefetch_line<kPrefetchAhead, 4096>(w0 + k);
-    prefetch_line<kPrefetchAhead, 4096>(w1 + k);
+    prefetch_as<kPrefetchAhead, 8192>(w0 + k);
+    prefetch_as<kPrefetchAhead, 8192>(w1 + k);
     const __m512bh v0 = load_bf16(w0 + k, mask), v1 = load_bf16(w1 + k, mask);
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {

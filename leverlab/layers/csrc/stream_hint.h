@@ -14,8 +14,8 @@
 //    there was re-read from memory every step (the bundled model 1.6x slower with NTA; session 8). And on a
 //    Zen 4 (session 17) the hardware prefetchers alone streamed fastest: a bf16 0.6B-shaped single stream
 //    1.13-1.15x, int8 1.24x against nta (in one process, modes alternating).
-// The bf16 kernel (skinny_linear.cpp) follows the mode up to 4 activation rows and issues the line prefetch as a
-// template argument (prefetch_line); the quantized kernels call prefetch_stream below.
+// The bf16 kernel (skinny_linear.cpp) follows the mode up to 4 activation rows, instantiated per kind
+// (prefetch_as below); the quantized kernels call prefetch_stream, which reads the kind at each call.
 #pragma once
 #include <cstdint>
 
@@ -31,11 +31,22 @@ inline int& stream_prefetch_mode() {
   return mode;
 }
 
-// Called once per 64-byte line of weights (or more often) at the position being read now.
+// The prefetch of kind Mode for the line being read now: for a kernel instantiated per kind (the bf16 kernel), so
+// that nothing is tested per line; T0Ahead is the T0 kind's distance in bytes, the caller's own where it swept one.
+template <int Mode, int64_t T0Ahead = kT0Ahead>
+inline void prefetch_as(const void* here) {
+  if constexpr (Mode == kPrefetchNonTemporal)
+    __builtin_prefetch(static_cast<const char*>(here) + kNonTemporalAhead, 0, 0);
+  else if constexpr (Mode == kPrefetchAhead)
+    __builtin_prefetch(static_cast<const char*>(here) + T0Ahead, 0, 3);
+}
+
+// The kind measured for this model, read at the call: called once per 64-byte line of weights (or more often) at
+// the position being read now.
 inline void prefetch_stream(const void* here) {
   const int mode = stream_prefetch_mode();
   if (mode == kPrefetchNonTemporal)
-    __builtin_prefetch(static_cast<const char*>(here) + kNonTemporalAhead, 0, 0);
+    prefetch_as<kPrefetchNonTemporal>(here);
   else if (mode == kPrefetchAhead)
-    __builtin_prefetch(static_cast<const char*>(here) + kT0Ahead, 0, 3);
+    prefetch_as<kPrefetchAhead>(here);
 }
