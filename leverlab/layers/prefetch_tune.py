@@ -14,10 +14,13 @@ The kernels read a decode step's weights as one stream and prefetch ahead of it 
        streams of the 0.6B shape (1.13-1.15x and 1.24x nta's tok/s); int4 there, compute-bound, measured alike.
 The bf16 kernel follows the mode up to 4 activation rows (until session 17 it always prefetched T0 2 KB ahead);
 more rows are compute-bound and keep their own T0 prefetch (csrc/skinny_linear.cpp says why).
-So the loader times passes over the model's linear layers at one activation row, as a decode step reads them, in
-each mode after a settling pass in that mode, and keeps the fastest (nta unless another is clearly faster). Past
-MAX_BYTES of weights it times the first layers up to that size: still far beyond any cache, and a pass stays short.
-LEVERLAB_STREAM_PREFETCH=off|nta|t0 sets the mode without measuring (LEVERLAB_NO_STREAM_PREFETCH=1: off).
+Each kernel family (bf16, int8, int4) has its own mode, since one model can stream through two: an int4 model's
+head is int8, and on that Zen 4 (session 18) its int4 body streamed fastest with nta, its int8 head without a
+prefetch. So the loader times passes over each family's linear layers at one activation row, as a decode step reads
+them, in each mode after a settling pass in that mode, and keeps the family's fastest (nta unless another is clearly
+faster). Past MAX_BYTES of a family's weights it times its first layers up to that size: still far beyond any
+cache, and a pass stays short. LEVERLAB_STREAM_PREFETCH=off|nta|t0 sets every family's mode without measuring
+(LEVERLAB_NO_STREAM_PREFETCH=1: off).
 """
 
 from __future__ import annotations
@@ -49,34 +52,60 @@ def _bytes(layer: Linear) -> int:
     return layer.weight.numel() * layer.weight.element_size()
 
 
-# The mode is one setting for the whole process, and a process can hold two models (a speculative draft model
-# beside its target): the larger one's weight stream dominates every step, so a smaller model loaded later keeps
-# the mode its elder measured (a draft that fits in L3 would otherwise pick its own mode for the target's stream).
-_largest_tuned = 0  # weight bytes of the largest model whose measurement set the mode
+def family(layer: Linear) -> str | None:
+    """The kernel family (csrc/stream_hint.h) that streams this layer's weights at one row; None: none of ours."""
+    m = layer.quant_method
+    if m is None:
+        return "bf16"
+    weights = m.fused_weights(layer)  # (kind, tensors): the kernel the layer's decode runs (models/fused.py)
+    return None if weights is None else {0: "bf16", 1: "int8", 2: "int4", 3: "int8"}.get(weights[0])
 
 
-def tune(model: torch.nn.Module) -> str | None:
-    """Set the kernels' prefetch mode for this model; returns it (None: not measured, the mode kept)."""
+# The mode is one setting per family for the whole process, and a process can hold two models (a speculative draft
+# model beside its target): the larger one's weight stream dominates every step, so a smaller model loaded later
+# keeps the modes its elder measured (a draft that fits in L3 would otherwise pick its own mode for the target's
+# stream).
+_largest_tuned = 0  # weight bytes of the largest model whose measurement set the modes
+
+
+def tune(model: torch.nn.Module) -> dict[str, str] | None:
+    """Set the prefetch mode of each kernel family this model streams through; returns {family: mode} (None: not
+    measured, the modes kept)."""
     global _largest_tuned
     kern = cpu_kernels.kernels()
     if kern is None:
         return None
+    linears = [(m, _bytes(m)) for m in model.modules() if isinstance(m, Linear)]
+    families: dict[str, list[Linear]] = {}
+    model_bytes = sum(b for _, b in linears)
+    for m, _ in linears:
+        if (f := family(m)) is not None:
+            families.setdefault(f, []).append(m)
     forced = "off" if env.flag("LEVERLAB_NO_STREAM_PREFETCH") else env.get("LEVERLAB_STREAM_PREFETCH", "")
     if forced:
         if forced not in MODES:
             raise ValueError(f"LEVERLAB_STREAM_PREFETCH must be one of {', '.join(MODES)}, not {forced!r}")
-        kern.set_stream_prefetch(forced)
-        return forced
-    linears = [(m, _bytes(m)) for m in model.modules() if isinstance(m, Linear)]
-    model_bytes = sum(b for _, b in linears)
-    if not linears or model_bytes < _largest_tuned:
+        kern.set_stream_prefetch(forced)  # every family
+        return dict.fromkeys(families or ("bf16",), forced)
+    if not families or model_bytes < _largest_tuned:
         return None
+    dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype (a quantized layer's weight is not)
+    chosen = {}
+    for f, layers in families.items():
+        chosen[f] = _tune_family(kern, f, layers, dtype)
+        if chosen[f] is None:  # the measurement failed (logged): the family keeps the default
+            return None
+    _largest_tuned = model_bytes
+    return chosen
+
+
+def _tune_family(kern, fam: str, linears: list[Linear], dtype: torch.dtype) -> str | None:
+    """Time passes over one family's layers (one row each) in every mode; set and return the fastest."""
     layers, total = [], 0
-    for m, b in linears:
+    for m in linears:
         if total < MAX_BYTES:
             layers.append(m)
-            total += b
-    dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype (a quantized layer's weight is not)
+            total += _bytes(m)
     xs = [torch.randn(1, m.in_features, dtype=dtype) for m in layers]
 
     def one_pass() -> float:
@@ -95,18 +124,17 @@ def tune(model: torch.nn.Module) -> str | None:
             one_pass()  # warm: allocations, first-call dispatch
             for r in range(ROUNDS):
                 for mode in MODES if r % 2 == 0 else MODES[::-1]:
-                    kern.set_stream_prefetch(mode)
+                    kern.set_stream_prefetch(mode, fam)
                     for _ in range(SETTLE):
                         one_pass()
                     best[mode] = min(best[mode], *(one_pass() for _ in range(TIMED)))
     except Exception as e:  # noqa: BLE001 - a measurement must never stop a model from loading
-        kern.set_stream_prefetch(DEFAULT)
-        log.warning("weight prefetch left at %s: timing the layers failed (%s)", DEFAULT, e)
+        kern.set_stream_prefetch(DEFAULT, fam)
+        log.warning("%s weight prefetch left at %s: timing the layers failed (%s)", fam, DEFAULT, e)
         return None
     fastest = min(MODES, key=best.__getitem__)
     mode = fastest if best[fastest] < (1 - MARGIN) * best[DEFAULT] else DEFAULT
-    kern.set_stream_prefetch(mode)
-    _largest_tuned = model_bytes
-    log.info("weight prefetch %s: a pass over %d linear layers (%.0f MB) took %s", mode, len(layers), total / 1e6,
-             ", ".join(f"{best[m] * 1e3:.2f} ms {m}" for m in MODES))
+    kern.set_stream_prefetch(mode, fam)
+    log.info("%s weight prefetch %s: a pass over %d linear layers (%.0f MB) took %s", fam, mode, len(layers),
+             total / 1e6, ", ".join(f"{best[m] * 1e3:.2f} ms {m}" for m in MODES))
     return mode

@@ -73,9 +73,9 @@ def test_float32_and_autograd_keep_aten():
 
 
 def test_prefetch_is_measured_at_load_and_off_by_env(checkpoint_factory, monkeypatch):
-    """The loader times a pass over the linear layers in each weight-prefetch mode and keeps the fastest
-    (layers/prefetch_tune.py); LEVERLAB_STREAM_PREFETCH sets one without measuring, LEVERLAB_NO_STREAM_PREFETCH=1
-    turns it off, and an unknown mode is refused."""
+    """The loader times a pass over each kernel family's linear layers in each weight-prefetch mode and keeps the
+    family's fastest (layers/prefetch_tune.py); LEVERLAB_STREAM_PREFETCH sets one for every family without
+    measuring, LEVERLAB_NO_STREAM_PREFETCH=1 turns it off, and an unknown mode or family is refused."""
     from leverlab.layers import prefetch_tune
     from leverlab.models.loader import load_model
 
@@ -85,19 +85,44 @@ def test_prefetch_is_measured_at_load_and_off_by_env(checkpoint_factory, monkeyp
     model = load_model(checkpoint_factory("qwen3"), "bfloat16")
     monkeypatch.setattr(prefetch_tune, "_largest_tuned", 0)
     choice = prefetch_tune.tune(model)
-    assert choice in ("nta", "t0", "off") and kern.stream_prefetch() == choice
+    assert list(choice) == ["bf16"] and choice["bf16"] in ("nta", "t0", "off")
+    assert kern.stream_prefetch() == choice["bf16"]
     # a smaller model loaded after it (a speculative draft) keeps the mode the larger one measured
-    kern.set_stream_prefetch("off" if choice != "off" else "t0")
+    kern.set_stream_prefetch("off" if choice["bf16"] != "off" else "t0")
     held = kern.stream_prefetch()
     draft = load_model(checkpoint_factory("qwen3", num_hidden_layers=1), "bfloat16")
     assert prefetch_tune.tune(draft) is None and kern.stream_prefetch() == held
     monkeypatch.setenv("LEVERLAB_STREAM_PREFETCH", "t0")
-    assert prefetch_tune.tune(model) == "t0" and kern.stream_prefetch() == "t0"
+    assert prefetch_tune.tune(model) == {"bf16": "t0"}
+    assert [kern.stream_prefetch(f) for f in ("bf16", "int8", "int4")] == ["t0"] * 3
     monkeypatch.setenv("LEVERLAB_STREAM_PREFETCH", "sometimes")
     with pytest.raises(ValueError, match="LEVERLAB_STREAM_PREFETCH"):
         prefetch_tune.tune(model)
     monkeypatch.setenv("LEVERLAB_NO_STREAM_PREFETCH", "1")
-    assert prefetch_tune.tune(model) == "off" and kern.stream_prefetch() == "off"
+    assert prefetch_tune.tune(model) == {"bf16": "off"} and kern.stream_prefetch() == "off"
     kern.set_stream_prefetch("nta")  # the default, for the tests that follow
     with pytest.raises(RuntimeError, match="'off', 'nta' or 't0'"):
         kern.set_stream_prefetch("on")
+    with pytest.raises(RuntimeError, match="family 'bf16', 'int8', 'int4' or 'all'"):
+        kern.set_stream_prefetch("off", "int2")
+
+
+@needs_kernel
+def test_each_kernel_family_has_its_own_prefetch_mode(checkpoint_factory, monkeypatch):
+    """An int4 model streams its body through the int4 kernel and its head (int8 by default) through the int8
+    one: the loader measures and sets a mode for each family, and setting one family's leaves the others."""
+    from leverlab.layers import prefetch_tune
+    from leverlab.models.loader import load_model
+
+    kern = bf16_linear.cpu_kernels.kernels()
+    model = load_model(checkpoint_factory("qwen3"), "bfloat16", quantization="int4")
+    monkeypatch.setattr(prefetch_tune, "_largest_tuned", 0)
+    try:
+        choice = prefetch_tune.tune(model)
+        assert sorted(choice) == ["int4", "int8"] and set(choice.values()) <= {"nta", "t0", "off"}
+        assert all(kern.stream_prefetch(f) == m for f, m in choice.items())
+        kern.set_stream_prefetch("nta")
+        kern.set_stream_prefetch("t0", "int8")
+        assert [kern.stream_prefetch(f) for f in ("bf16", "int8", "int4")] == ["nta", "t0", "nta"]
+    finally:
+        kern.set_stream_prefetch("nta")

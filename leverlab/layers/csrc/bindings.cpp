@@ -19,6 +19,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                        const c10::optional<at::Tensor>& bias);
 void bind_fused_decoder(pybind11::module& m);
 
+namespace {
+int stream_family(const std::string& name) {  // -1: not a family
+  return name == "bf16" ? kStreamBf16 : name == "int8" ? kStreamInt8 : name == "int4" ? kStreamInt4 : -1;
+}
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"),
         pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slot_mapping"),
@@ -39,16 +45,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "y = x W^T (+ b) for int4 W (packed [N, K/2], fp16 scales and zero points [N, 2, K/g]); streaming for 1..quant_max_rows() rows");
   m.def("quant_max_rows", &quant_max_rows, "the most activation rows the streaming int8/int4 kernels take");
   m.def("set_stream_prefetch",
-        [](const std::string& kind) {
+        [](const std::string& kind, const std::string& family) {
           const int mode = kind == "off" ? kPrefetchOff : kind == "nta" ? kPrefetchNonTemporal : kind == "t0" ? kPrefetchAhead : -1;
           TORCH_CHECK(mode >= 0, "set_stream_prefetch: 'off', 'nta' or 't0', not '", kind, "'");
-          stream_prefetch_mode() = mode;
+          const int f = stream_family(family);
+          TORCH_CHECK(f >= 0 || family == "all", "set_stream_prefetch: family 'bf16', 'int8', 'int4' or 'all', not '",
+                      family, "'");
+          for (int i = 0; i < kStreamFamilies; ++i)
+            if (f < 0 || f == i) stream_prefetch_mode(i) = mode;
         },
-        "how the streaming kernels prefetch their weights: 'off', 'nta' (non-temporal, 1 KB ahead) or 't0' "
-        "(into every cache level, 4 KB ahead); csrc/stream_hint.h");
-  m.def("stream_prefetch", []() {
-    const int mode = stream_prefetch_mode();
-    return std::string(mode == kPrefetchOff ? "off" : mode == kPrefetchNonTemporal ? "nta" : "t0");
-  });
+        pybind11::arg("kind"), pybind11::arg("family") = "all",
+        "how the streaming kernels of one family ('bf16', 'int8', 'int4'; 'all': every one) prefetch their weights: "
+        "'off', 'nta' (non-temporal, 1 KB ahead) or 't0' (into every cache level, 4 KB ahead); csrc/stream_hint.h");
+  m.def("stream_prefetch",
+        [](const std::string& family) {
+          const int f = stream_family(family);
+          TORCH_CHECK(f >= 0, "stream_prefetch: family 'bf16', 'int8' or 'int4', not '", family, "'");
+          const int mode = stream_prefetch_mode(f);
+          return std::string(mode == kPrefetchOff ? "off" : mode == kPrefetchNonTemporal ? "nta" : "t0");
+        },
+        pybind11::arg("family") = "bf16", "the prefetch kind one family's streaming kernels issue");
   bind_fused_decoder(m);
 }

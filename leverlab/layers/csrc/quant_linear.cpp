@@ -226,7 +226,7 @@ inline float i8_row(const int8_t* wr, const QuantizedRows& x) {
   };
   int64_t b = 0;
   for (; b + 2 <= x.B; b += 2) {
-    prefetch_stream(wr + b * 32);
+    prefetch_stream<kStreamInt8>(wr + b * 32);
     step(b, 0);
     step(b + 1, 1);
   }
@@ -259,7 +259,7 @@ inline void i8_dots_4rows(const int8_t* w, int64_t K, const QuantizedRows& x, fl
     const __m256 xs = _mm256_set1_ps(x.scale[b]);
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-      if ((b & 1) == 0) prefetch_stream(w + i * K + b * 32);
+      if ((b & 1) == 0) prefetch_stream<kStreamInt8>(w + i * K + b * 32);
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * K + b * 32));
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_block_i8(wv, xv)), xs, acc[i]);
     }
@@ -325,7 +325,7 @@ inline void u4_rows(const uint8_t* w, int64_t K, const at::Half* ss, const at::H
 #pragma GCC unroll 4
       for (int i = 0; i < NR; ++i) {
         const uint8_t* wr = w + i * (K / 2);
-        if ((b & 3) == 0) prefetch_stream(wr + b * 16);  // one 64-byte line per 4 blocks
+        if ((b & 3) == 0) prefetch_stream<kStreamInt4>(wr + b * 16);  // one 64-byte line per 4 blocks
         __m256i wlo, whi;
         load_u4_pair(wr + b * 16, wlo, whi);
         acc[i][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4_pair(wlo, whi, xlo, xhi)),
@@ -401,7 +401,7 @@ inline void scale_chunk16(const at::Half* sr, int64_t G, int64_t c, const at::Ha
 __attribute__((always_inline)) inline void u4_quad_512(const uint8_t* wr, const QuantizedRows& x, int64_t q,
                                                        __m512 ws, __m512& acc) {
   const __m512i nib = _mm512_set1_epi8(0x0F);
-  prefetch_stream(wr + q * 64);
+  prefetch_stream<kStreamInt4>(wr + q * 64);
   const __m512i v = _mm512_loadu_si512(wr + q * 64);
   const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
   __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x.q4 + q * 128));
@@ -473,7 +473,7 @@ void pair_scales16(const QuantizedRows& x, std::vector<float>& buf, int64_t M = 
 // One pair (blocks b, b + 1) into acc.
 inline void i8_pair_512(const int8_t* wr, const QuantizedRows& x, const float* sp2, int64_t b, __m512& acc) {
   const __m512i zero = _mm512_setzero_si512();
-  prefetch_stream(wr + b * 32);
+  prefetch_stream<kStreamInt8>(wr + b * 32);
   const __m512i w = _mm512_loadu_si512(wr + b * 32), xv = _mm512_loadu_si512(x.q + b * 32);
   const __m512i xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(w), zero, xv);
   const __m512i d = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), xs);
@@ -602,7 +602,7 @@ inline void i8_tile(const int8_t* w, int64_t K, const QuantizedRows& x, int64_t 
     __m256i wv[NW], wa[NW];
 #pragma GCC unroll 4
     for (int i = 0; i < NW; ++i) {
-      if ((b & 1) == 0) prefetch_stream(w + i * K + b * 32);
+      if ((b & 1) == 0) prefetch_stream<kStreamInt8>(w + i * K + b * 32);
       wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * K + b * 32));
       wa[i] = _mm256_sign_epi8(wv[i], wv[i]);
     }
@@ -637,7 +637,7 @@ inline void u4_tile(const uint8_t* w, int64_t K, const float* s, int64_t ss, int
     __m256i wlo[NW], whi[NW];
 #pragma GCC unroll 4
     for (int i = 0; i < NW; ++i) {
-      if ((b & 3) == 0) prefetch_stream(w + i * (K / 2) + b * 16);  // one line per 4 blocks
+      if ((b & 3) == 0) prefetch_stream<kStreamInt4>(w + i * (K / 2) + b * 16);  // one line per 4 blocks
       load_u4_pair(w + i * (K / 2) + b * 16, wlo[i], whi[i]);
     }
 #pragma GCC unroll 4
@@ -714,7 +714,7 @@ inline void u4_tile_512(const uint8_t* w, int64_t K, const float* wsb, const Qua
 #pragma GCC unroll 4
     for (int i = 0; i < NW; ++i) {
       const uint8_t* wq = w + i * (K / 2) + q * 64;
-      prefetch_stream(wq);
+      prefetch_stream<kStreamInt4>(wq);
       const __m512i v = _mm512_loadu_si512(wq);
       lo[i] = _mm512_and_si512(v, nib);
       hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
@@ -760,7 +760,7 @@ inline void i8_tile_512(const int8_t* w, int64_t K, const QuantizedRows& x, cons
 #pragma GCC unroll 4
     for (int i = 0; i < NW; ++i) {
       const int8_t* wp = w + i * K + p * 64;
-      prefetch_stream(wp);
+      prefetch_stream<kStreamInt8>(wp);
       const __m512i wv = _mm512_loadu_si512(wp);
       wa[i] = _mm512_abs_epi8(wv);
       neg[i] = _mm512_movepi8_mask(wv);

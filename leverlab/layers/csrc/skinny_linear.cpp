@@ -100,7 +100,7 @@ inline void column(const float* xs, int64_t KC, const uint16_t* w, int64_t K, co
   for (; k + C * U <= K; k += C * U) {
     // The weight prefetch of the kind the loader measured for this model (stream_hint.h), once per 64-byte line.
     constexpr int kPerLine = C >= 32 ? 1 : 32 / C;  // chunks per 64-byte line
-    for (int u = 0; u < U; u += kPerLine) prefetch_stream(wr + k + C * u);
+    for (int u = 0; u < U; u += kPerLine) prefetch_stream<kStreamBf16>(wr + k + C * u);
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) {
       F we, wo;
@@ -339,7 +339,7 @@ void linear(const torch::Tensor& x, const torch::Tensor& w, const float* bias, t
   auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   auto yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  switch (stream_prefetch_mode()) {
+  switch (stream_prefetch_mode(kStreamBf16)) {
     case kPrefetchOff: return linear_as<kPrefetchOff>(xp, x.stride(0), wp, M, N, K, bias, yp);
     case kPrefetchNonTemporal: return linear_as<kPrefetchNonTemporal>(xp, x.stride(0), wp, M, N, K, bias, yp);
     default: return linear_as<kPrefetchAhead>(xp, x.stride(0), wp, M, N, K, bias, yp);

@@ -16,6 +16,10 @@
 //    1.13-1.15x, int8 1.24x against nta (in one process, modes alternating).
 // The bf16 kernel (skinny_linear.cpp) follows the mode up to 4 activation rows, instantiated per kind
 // (prefetch_as below); the quantized kernels call prefetch_stream, which reads the kind at each call.
+//
+// Each kernel family has its own mode, because one model can stream through two families whose best kinds differ:
+// an int4 model's output head is int8 (quant/registry.py), and on a Zen 4 (session 18) the int4 body streamed
+// fastest with nta (a pass 10.8 ms, off 11.9) while the int8 head did without a prefetch (3.6 ms, nta 4.6).
 #pragma once
 #include <cstdint>
 
@@ -25,10 +29,13 @@ enum StreamPrefetch : int { kPrefetchOff = 0, kPrefetchNonTemporal = 1, kPrefetc
 constexpr int64_t kNonTemporalAhead = 1024;  // 512 B..2 KB measured alike on a Zen 3
 constexpr int64_t kT0Ahead = 4096;
 
-// The kind the kernels issue: non-temporal until the loader has measured the model (set_stream_prefetch).
-inline int& stream_prefetch_mode() {
-  static int mode = kPrefetchNonTemporal;
-  return mode;
+// The kernel families, each with its own mode: the bf16 kernel, the int8 kernels (W8A8 and weight-only), int4.
+enum StreamFamily : int { kStreamBf16 = 0, kStreamInt8 = 1, kStreamInt4 = 2, kStreamFamilies = 3 };
+
+// The kind a family's kernels issue: non-temporal until the loader has measured the model (set_stream_prefetch).
+inline int& stream_prefetch_mode(int family) {
+  static int mode[kStreamFamilies] = {kPrefetchNonTemporal, kPrefetchNonTemporal, kPrefetchNonTemporal};
+  return mode[family];
 }
 
 // The prefetch of kind Mode for the line being read now: for a kernel instantiated per kind (the bf16 kernel), so
@@ -41,10 +48,11 @@ inline void prefetch_as(const void* here) {
     __builtin_prefetch(static_cast<const char*>(here) + T0Ahead, 0, 3);
 }
 
-// The kind measured for this model, read at the call: called once per 64-byte line of weights (or more often) at
-// the position being read now.
+// The kind measured for this model's Family kernels, read at the call: called once per 64-byte line of weights (or
+// more often) at the position being read now.
+template <int Family>
 inline void prefetch_stream(const void* here) {
-  const int mode = stream_prefetch_mode();
+  const int mode = stream_prefetch_mode(Family);
   if (mode == kPrefetchNonTemporal)
     prefetch_as<kPrefetchNonTemporal>(here);
   else if (mode == kPrefetchAhead)
