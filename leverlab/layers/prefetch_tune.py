@@ -11,7 +11,7 @@ The kernels read a decode step's weights as one stream and prefetch ahead of it 
   off  no software prefetch: on that Xeon, whose L3 is a victim cache, non-temporal lines skip L3, so a model that
        fits there was read from memory again every step with nta (the bundled model, bf16, one thread: 171 tok/s
        with nta, 265-294 without; session 8). On a Zen 4 (session 17) it was the fastest for bf16 and int8 single
-       streams of the 0.6B shape (1.13-1.15x and 1.24x nta's tok/s); int4 there, compute-bound, measured alike.
+       streams of the 0.6B shape (1.13-1.15x and 1.24x nta's tok/s); int4 there kept nta.
 The bf16 kernel follows the mode up to 4 activation rows (until session 17 it always prefetched T0 2 KB ahead);
 more rows are compute-bound and keep their own T0 prefetch (csrc/skinny_linear.cpp says why).
 Each kernel family (bf16, int8, int4) has its own mode, since one model can stream through two: an int4 model's
@@ -86,7 +86,7 @@ def tune(model: torch.nn.Module) -> dict[str, str] | None:
         if forced not in MODES:
             raise ValueError(f"LEVERLAB_STREAM_PREFETCH must be one of {', '.join(MODES)}, not {forced!r}")
         kern.set_stream_prefetch(forced)  # every family
-        return dict.fromkeys(families or ("bf16",), forced)
+        return dict.fromkeys(families, forced)
     if not families or model_bytes < _largest_tuned:
         return None
     dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype (a quantized layer's weight is not)
