@@ -76,11 +76,11 @@ def tune(model: torch.nn.Module) -> dict[str, str] | None:
     if kern is None:
         return None
     linears = [(m, _bytes(m)) for m in model.modules() if isinstance(m, Linear)]
-    families: dict[str, list[Linear]] = {}
+    families: dict[str, list[tuple[Linear, int]]] = {}  # family -> its (layer, bytes read at one row)
     model_bytes = sum(b for _, b in linears)
-    for m, _ in linears:
+    for m, b in linears:
         if (f := family(m)) is not None:
-            families.setdefault(f, []).append(m)
+            families.setdefault(f, []).append((m, b))
     forced = "off" if env.flag("LEVERLAB_NO_STREAM_PREFETCH") else env.get("LEVERLAB_STREAM_PREFETCH", "")
     if forced:
         if forced not in MODES:
@@ -99,13 +99,13 @@ def tune(model: torch.nn.Module) -> dict[str, str] | None:
     return chosen
 
 
-def _tune_family(kern, fam: str, linears: list[Linear], dtype: torch.dtype) -> str | None:
-    """Time passes over one family's layers (one row each) in every mode; set and return the fastest."""
+def _tune_family(kern, fam: str, linears: list[tuple[Linear, int]], dtype: torch.dtype) -> str | None:
+    """Time passes over one family's (layer, bytes) (one row each) in every mode; set and return the fastest."""
     layers, total = [], 0
-    for m in linears:
+    for m, b in linears:
         if total < MAX_BYTES:
             layers.append(m)
-            total += _bytes(m)
+            total += b
     xs = [torch.randn(1, m.in_features, dtype=dtype) for m in layers]
 
     def one_pass() -> float:
