@@ -190,3 +190,22 @@ def test_int4_kernel_matches_dequantized_weight():
             assert ((w16 - rtn).abs() <= 15 * 2 ** -11 * s.repeat_interleave(g, dim=1)).all()  # |q - z| <= 15
             expected = x @ w16.t() + b
             torch.testing.assert_close(kern.int4_linear(x, packed, ss, g, b), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_argmax_is_the_first_maximum():
+    """The fused step's greedy choice (vectorized, 16 lanes) is torch.argmax's: ties go to the first position,
+    in the vector part and the tail alike; NaNs are skipped."""
+    kern = cpu_kernels.kernels()
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 16, 17, 33, 1000, 151936):
+        for _ in range(20):
+            x = torch.randint(-3, 4, (n,), generator=g).float()  # few distinct values: many ties
+            assert kern.argmax_first(x) == int(x.argmax())
+        x = torch.full((n,), -5.0)
+        x[n - 1] = 2.0  # the maximum in the tail (or the last lane)
+        assert kern.argmax_first(x) == n - 1
+        x = torch.randn(n, generator=g)
+        nans = torch.randint(0, n, (3,), generator=g)
+        x[nans] = float("nan")
+        assert kern.argmax_first(x) == int(torch.where(x.isnan(), -float("inf"), x).argmax())
+    assert kern.argmax_first(torch.full((40,), -float("inf"))) == 0

@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "stream_hint.h"
+#include "vec_math.h"
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                         at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -65,5 +66,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return std::string(mode == kPrefetchOff ? "off" : mode == kPrefetchNonTemporal ? "nta" : "t0");
         },
         pybind11::arg("family") = "bf16", "the prefetch kind one family's streaming kernels issue");
+  m.def("argmax_first",
+        [](const at::Tensor& x) {
+          TORCH_CHECK(x.dim() == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+                      "argmax_first: a contiguous float32 vector");
+          return argmax_first(x.data_ptr<float>(), x.numel());
+        },
+        "the index of the first maximum (NaNs never taken): the fused step's greedy choice over the logits");
   bind_fused_decoder(m);
 }

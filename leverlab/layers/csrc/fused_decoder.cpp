@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "vec_math.h"
@@ -50,6 +51,8 @@ struct Layer {
   at::Tensor in_norm, post_norm, q_norm, k_norm;  // [H], [H], [D], [D] (q/k norms undefined without them)
   Lin qkv, o, gate_up, down;
   int64_t window = 0;  // > 0: sliding-window attention
+  at::Tensor k_cache, v_cache;  // this layer's KV cache, [num_blocks, block_size, NKV, D] each
+  c10::optional<at::Tensor> k_scale, v_scale;  // an int8 cache's scales (set_kv_scales), else none
 };
 
 }  // namespace
@@ -111,6 +114,48 @@ void rope_head(T* x, const float* cos, const float* sin, int64_t D, T* tmp) {
   }
 }
 
+#if defined(__AVX512BF16__)
+// bf16 in registers: 16 values widened to float32, and float32 rounded to bf16 (nearest even, as c10's cast)
+// and widened back, so that a vector op rounds where the scalar BFloat16 op does.
+inline __m512 bf16x16_load(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m256i bf16x16_bits(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
+inline __m512 bf16x16_round(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_bits(v)), 16));
+}
+inline void bf16x16_store(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16_bits(v));
+}
+
+// rope_head for bf16, 16 lanes at a time with the scalar path's roundings (each product, then the sum): a
+// decode step rotates (NH + NKV) heads in every layer while the other thread waits.
+template <>
+void rope_head<c10::BFloat16>(c10::BFloat16* x, const float* cos, const float* sin, int64_t D, c10::BFloat16* tmp) {
+  const int64_t half = D / 2;
+  if (half % 16) {
+    for (int64_t i = 0; i < D; ++i) tmp[i] = x[i];
+    for (int64_t i = 0; i < D; ++i) {
+      const c10::BFloat16 rot = i < half ? static_cast<c10::BFloat16>(-tmp[i + half]) : tmp[i - half];
+      x[i] = tmp[i] * static_cast<c10::BFloat16>(cos[i]) + rot * static_cast<c10::BFloat16>(sin[i]);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < half; i += 16) {
+    const __m512 lo = bf16x16_load(x + i), hi = bf16x16_load(x + half + i);
+    const __m512 clo = bf16x16_round(_mm512_loadu_ps(cos + i)), chi = bf16x16_round(_mm512_loadu_ps(cos + half + i));
+    const __m512 slo = bf16x16_round(_mm512_loadu_ps(sin + i)), shi = bf16x16_round(_mm512_loadu_ps(sin + half + i));
+    // x[i] = x[i] cos[i] - x[i + half] sin[i]; x[i + half] = x[i + half] cos[i + half] + x[i] sin[i + half]
+    const __m512 neg_hi = _mm512_sub_ps(_mm512_setzero_ps(), hi);
+    const __m512 new_lo = _mm512_add_ps(bf16x16_round(_mm512_mul_ps(lo, clo)), bf16x16_round(_mm512_mul_ps(neg_hi, slo)));
+    const __m512 new_hi = _mm512_add_ps(bf16x16_round(_mm512_mul_ps(hi, chi)), bf16x16_round(_mm512_mul_ps(lo, shi)));
+    bf16x16_store(x + i, new_lo);
+    bf16x16_store(x + half + i, new_hi);
+  }
+}
+#endif
+
 }  // namespace
 
 class FusedDecoder {
@@ -143,6 +188,10 @@ class FusedDecoder {
         lins[j]->bias = get(t[6 + 3 * j]);
       }
       l.window = windows[i];
+      if (kv_caches_[i].dim() > 0 && kv_caches_[i].size(0) == 2) {  // else no step runs (a probe's placeholder)
+        l.k_cache = kv_caches_[i][0];  // views made once: a select per layer and step was ~1 us of dispatch each
+        l.v_cache = kv_caches_[i][1];
+      }
       layers_.push_back(std::move(l));
     }
   }
@@ -153,6 +202,10 @@ class FusedDecoder {
     for (size_t i = 0; i < scales.size(); ++i)
       TORCH_CHECK(kv_caches_[i].scalar_type() == at::kChar && scales[i].scalar_type() == at::kFloat &&
                       scales[i].is_contiguous(), "set_kv_scales: int8 caches, contiguous float32 scales");
+    for (size_t i = 0; i < scales.size(); ++i) {
+      layers_[i].k_scale = scales[i][0];
+      layers_[i].v_scale = scales[i][1];
+    }
     kv_scales_ = std::move(scales);
   }
 
@@ -256,13 +309,7 @@ class FusedDecoder {
     if (!rows.empty()) {
       logits = apply(head_, all_rows ? hidden : hidden.index_select(0, i64(rows))).to(at::kFloat);
       const int64_t V = logits.size(1);
-      for (size_t r = 0; r < rows.size(); ++r) {
-        const float* l = logits.data_ptr<float>() + r * V;
-        int64_t arg = 0;
-        for (int64_t v = 1; v < V; ++v)
-          if (l[v] > l[arg]) arg = v;
-        best[r] = arg;
-      }
+      for (size_t r = 0; r < rows.size(); ++r) best[r] = argmax_first(logits.data_ptr<float>() + r * V, V);
     }
     return {logits, best};
   }
@@ -347,14 +394,9 @@ class FusedDecoder {
     at::Tensor q = qkv.narrow(1, 0, QW).view({T_, nh_, D});
     at::Tensor k = qkv.narrow(1, QW, KW).view({T_, nkv_, D});
     at::Tensor v = qkv.narrow(1, QW + KW, KW).view({T_, nkv_, D});
-    const int64_t li = &l - layers_.data();
-    const at::Tensor& cache = kv_caches_[li];
-    c10::optional<at::Tensor> ks, vs;  // an int8 cache's scales (set_kv_scales)
-    if (!kv_scales_.empty()) {
-      ks = kv_scales_[li][0];
-      vs = kv_scales_[li][1];
-    }
-    at::Tensor o = paged_decode(q, k, v, cache[0], cache[1], slots, tables, lens, qsl, scale_, l.window, ks, vs);
+    TORCH_CHECK(l.k_cache.defined(), "FusedDecoder: a layer's KV cache is [2, num_blocks, block_size, NKV, D]");
+    at::Tensor o = paged_decode(q, k, v, l.k_cache, l.v_cache, slots, tables, lens, qsl, scale_, l.window, l.k_scale,
+                                l.v_scale);
     add_into<T>(x, apply(l.o, o.view({T_, QW})));
     // ---- MLP block
     rms_norm_rows<T>(x.data_ptr<T>(), l.post_norm.data_ptr<T>(), hm.data_ptr<T>(), T_, H, eps);
@@ -374,7 +416,13 @@ class FusedDecoder {
   static void add_into(at::Tensor& x, const at::Tensor& y) {  // x = x + y, rounded to T (the residual)
     T* xp = x.data_ptr<T>();
     const T* yp = y.data_ptr<T>();
-    for (int64_t i = 0, n = x.numel(); i < n; ++i) xp[i] = xp[i] + yp[i];
+    int64_t i = 0;
+    const int64_t n = x.numel();
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      for (; i + 16 <= n; i += 16) bf16x16_store(xp + i, _mm512_add_ps(bf16x16_load(xp + i), bf16x16_load(yp + i)));
+#endif
+    for (; i < n; ++i) xp[i] = xp[i] + yp[i];
   }
 
   at::Tensor embed_, final_norm_, cos_, sin_;
