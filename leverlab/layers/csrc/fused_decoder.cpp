@@ -105,13 +105,18 @@ void rms_norm_rows(const T* x, const T* w, T* y, int64_t n, int64_t dim, float e
 
 // Rotate-half rotary on one head's D values in place, with cos/sin rows (float32, cast to T as the module does).
 template <typename T>
-void rope_head(T* x, const float* cos, const float* sin, int64_t D, T* tmp) {
+void rope_head_scalar(T* x, const float* cos, const float* sin, int64_t D, T* tmp) {
   const int64_t half = D / 2;
   for (int64_t i = 0; i < D; ++i) tmp[i] = x[i];
   for (int64_t i = 0; i < D; ++i) {
     const T rot = i < half ? static_cast<T>(-tmp[i + half]) : tmp[i - half];
     x[i] = tmp[i] * static_cast<T>(cos[i]) + rot * static_cast<T>(sin[i]);
   }
+}
+
+template <typename T>
+void rope_head(T* x, const float* cos, const float* sin, int64_t D, T* tmp) {
+  rope_head_scalar<T>(x, cos, sin, D, tmp);
 }
 
 #if defined(__AVX512BF16__)
@@ -132,24 +137,22 @@ inline void bf16x16_store(c10::BFloat16* p, __m512 v) {
 // rope_head for bf16, 16 lanes at a time with the scalar path's roundings (each product, then the sum): a
 // decode step rotates (NH + NKV) heads in every layer while the other thread waits.
 template <>
-void rope_head<c10::BFloat16>(c10::BFloat16* x, const float* cos, const float* sin, int64_t D, c10::BFloat16* tmp) {
+void rope_head<c10::BFloat16>(c10::BFloat16* x, const float* cos, const float* sin, int64_t D,
+                              c10::BFloat16* tmp) {
   const int64_t half = D / 2;
-  if (half % 16) {
-    for (int64_t i = 0; i < D; ++i) tmp[i] = x[i];
-    for (int64_t i = 0; i < D; ++i) {
-      const c10::BFloat16 rot = i < half ? static_cast<c10::BFloat16>(-tmp[i + half]) : tmp[i - half];
-      x[i] = tmp[i] * static_cast<c10::BFloat16>(cos[i]) + rot * static_cast<c10::BFloat16>(sin[i]);
-    }
-    return;
-  }
+  if (half % 16) return rope_head_scalar(x, cos, sin, D, tmp);
   for (int64_t i = 0; i < half; i += 16) {
     const __m512 lo = bf16x16_load(x + i), hi = bf16x16_load(x + half + i);
-    const __m512 clo = bf16x16_round(_mm512_loadu_ps(cos + i)), chi = bf16x16_round(_mm512_loadu_ps(cos + half + i));
-    const __m512 slo = bf16x16_round(_mm512_loadu_ps(sin + i)), shi = bf16x16_round(_mm512_loadu_ps(sin + half + i));
+    const __m512 clo = bf16x16_round(_mm512_loadu_ps(cos + i));  // cos/sin cast to bf16, as the scalar path
+    const __m512 chi = bf16x16_round(_mm512_loadu_ps(cos + half + i));
+    const __m512 slo = bf16x16_round(_mm512_loadu_ps(sin + i));
+    const __m512 shi = bf16x16_round(_mm512_loadu_ps(sin + half + i));
     // x[i] = x[i] cos[i] - x[i + half] sin[i]; x[i + half] = x[i + half] cos[i + half] + x[i] sin[i + half]
     const __m512 neg_hi = _mm512_sub_ps(_mm512_setzero_ps(), hi);
-    const __m512 new_lo = _mm512_add_ps(bf16x16_round(_mm512_mul_ps(lo, clo)), bf16x16_round(_mm512_mul_ps(neg_hi, slo)));
-    const __m512 new_hi = _mm512_add_ps(bf16x16_round(_mm512_mul_ps(hi, chi)), bf16x16_round(_mm512_mul_ps(lo, shi)));
+    const __m512 new_lo =
+        _mm512_add_ps(bf16x16_round(_mm512_mul_ps(lo, clo)), bf16x16_round(_mm512_mul_ps(neg_hi, slo)));
+    const __m512 new_hi =
+        _mm512_add_ps(bf16x16_round(_mm512_mul_ps(hi, chi)), bf16x16_round(_mm512_mul_ps(lo, shi)));
     bf16x16_store(x + i, new_lo);
     bf16x16_store(x + half + i, new_hi);
   }
@@ -197,7 +200,7 @@ class FusedDecoder {
   }
 
   // The output head for step(): kind as for the layers (0: float weight [V, H], the tied embedding included).
-  void set_kv_scales(std::vector<at::Tensor> scales) {
+  void set_kv_scales(const std::vector<at::Tensor>& scales) {
     TORCH_CHECK(scales.size() == kv_caches_.size(), "set_kv_scales: one tensor per layer");
     for (size_t i = 0; i < scales.size(); ++i)
       TORCH_CHECK(kv_caches_[i].scalar_type() == at::kChar && scales[i].scalar_type() == at::kFloat &&
@@ -206,7 +209,6 @@ class FusedDecoder {
       layers_[i].k_scale = scales[i][0];
       layers_[i].v_scale = scales[i][1];
     }
-    kv_scales_ = std::move(scales);
   }
 
   // Layer i's linear j (0 qkv, 1 o, 2 gate_up, 3 down) takes fbgemm's GEMM past stream_rows rows.
@@ -430,7 +432,6 @@ class FusedDecoder {
   bool norm_before_residual_ = false;
   Lin head_;  // set_head(); step() applies it
   std::vector<at::Tensor> kv_caches_;  // per layer [2, num_blocks, block_size, NKV, D]
-  std::vector<at::Tensor> kv_scales_;  // int8 caches: per layer [2, num_blocks, block_size, NKV] float32; else empty
   std::vector<int64_t> aux_layers_;  // layer indices whose outputs forward() also returns (EAGLE)
   std::vector<Layer> layers_;
   int64_t nh_, nkv_, d_;
