@@ -98,6 +98,7 @@ class OursEngine:
         self.setup_s = time.perf_counter() - t0
         self.mode = self.llm.engine.config.execution_mode
         self.weight_bytes = step_weight_bytes(self.llm.engine.runner.model, 1)
+        self.prefetch = stream_prefetch_modes(self.llm.engine.runner.model)
 
     def measure(self, key: str, prompts: list[list[int]], decode_len: int) -> float:
         """tok/s: prefill = prompt tokens / TTFT; decode = tokens after each sequence's first over the span
@@ -108,10 +109,24 @@ class OursEngine:
         return aggregate_decode(self.llm.generate(prompts, self.params(decode_len)))[0]
 
 
+def stream_prefetch_modes(model) -> dict[str, str]:
+    """The weight-prefetch mode each kernel family of this model streams in (measured at load, in whatever spell
+    the machine's bandwidth was in then; layers/prefetch_tune.py): part of what a run's decode rates ran under."""
+    from leverlab.layers import cpu_kernels, prefetch_tune
+    from leverlab.layers.linear import Linear
+
+    kern = cpu_kernels.kernels()
+    if kern is None:
+        return {}
+    families = {prefetch_tune.family(m) for m in model.modules() if isinstance(m, Linear)} - {None}
+    return {f: kern.stream_prefetch(f) for f in sorted(families)}
+
+
 def _ours_worker(conn, model: str, precision: str, cfg: dict) -> None:
     try:
         eng = OursEngine(model, precision, argparse.Namespace(**cfg))
-        conn.send({"setup_s": eng.setup_s, "weight_bytes": eng.weight_bytes, "mode": eng.mode})
+        conn.send({"setup_s": eng.setup_s, "weight_bytes": eng.weight_bytes, "mode": eng.mode,
+                   "prefetch": eng.prefetch})
         while (msg := conn.recv()) is not None:
             conn.send({"tok_s": eng.measure(*msg, cfg["decode_len"])})
     except Exception as e:  # reported to the parent, which goes on without this precision
@@ -136,6 +151,7 @@ class Ours:
         child.close()
         reply = self._recv()
         self.setup_s, self.weight_bytes, self.mode = reply["setup_s"], reply["weight_bytes"], reply["mode"]
+        self.prefetch = reply["prefetch"]
 
     def _recv(self) -> dict:
         try:
@@ -314,9 +330,11 @@ def main() -> int:
         for p in args.precisions:
             try:
                 ours[p] = Ours(args.model, p, args)
+                prefetch = ", ".join(f"{f} {m}" for f, m in ours[p].prefetch.items()) or "none"
                 print(f"LeverLab {p}: {ours[p].mode} mode, loaded and warmed in {ours[p].setup_s:.0f} s "
-                      "(own process)", flush=True)
+                      f"(own process); weight prefetch: {prefetch}", flush=True)
                 result.setdefault("leverlab_execution_mode", {})[p] = ours[p].mode
+                result.setdefault("leverlab_stream_prefetch", {})[p] = ours[p].prefetch
             except RuntimeError as e:
                 ours[p] = None
                 print(f"LeverLab {p}: failed to start ({e}); its figures are missing", flush=True)
