@@ -24,6 +24,12 @@ namespace {
 int stream_family(const std::string& name) {  // -1: not a family
   return name == "bf16" ? kStreamBf16 : name == "int8" ? kStreamInt8 : name == "int4" ? kStreamInt4 : -1;
 }
+int prefetch_kind(const std::string& name) {  // -1: not a kind
+  return name == "off" ? kPrefetchOff : name == "nta" ? kPrefetchNonTemporal : name == "t0" ? kPrefetchAhead : -1;
+}
+std::string prefetch_name(int kind) {
+  return kind == kPrefetchOff ? "off" : kind == kPrefetchNonTemporal ? "nta" : "t0";
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -47,7 +53,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_max_rows", &quant_max_rows, "the most activation rows the streaming int8/int4 kernels take");
   m.def("set_stream_prefetch",
         [](const std::string& kind, const std::string& family) {
-          const int mode = kind == "off" ? kPrefetchOff : kind == "nta" ? kPrefetchNonTemporal : kind == "t0" ? kPrefetchAhead : -1;
+          const int mode = prefetch_kind(kind);
           TORCH_CHECK(mode >= 0, "set_stream_prefetch: 'off', 'nta' or 't0', not '", kind, "'");
           const int f = stream_family(family);
           TORCH_CHECK(f >= 0 || family == "all", "set_stream_prefetch: family 'bf16', 'int8', 'int4' or 'all', not '",
@@ -62,8 +68,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](const std::string& family) {
           const int f = stream_family(family);
           TORCH_CHECK(f >= 0, "stream_prefetch: family 'bf16', 'int8' or 'int4', not '", family, "'");
-          const int mode = stream_prefetch_mode(f);
-          return std::string(mode == kPrefetchOff ? "off" : mode == kPrefetchNonTemporal ? "nta" : "t0");
+          return prefetch_name(stream_prefetch_mode(f));
         },
         pybind11::arg("family") = "bf16", "the prefetch kind one family's streaming kernels issue");
   m.def("argmax_first",
