@@ -14,8 +14,8 @@ The kernels read a decode step's weights as one stream and prefetch ahead of it 
        streams of the 0.6B shape (1.13-1.15x and 1.24x nta's tok/s); int4 there kept nta.
 The bf16 kernel follows the mode up to 4 activation rows (until session 17 it always prefetched T0 2 KB ahead);
 more rows are compute-bound and keep their own T0 prefetch (csrc/skinny_linear.cpp says why).
-Each kernel family (bf16, int8, int4) has its own mode, since one model can stream through two: an int4 model's
-head is int8, and on that Zen 4 (session 18) its int4 body streamed fastest with nta, its int8 head without a
+Each kernel family (bf16, int8, int4, int6) has its own mode, since one model can stream through two: an int4
+model's head was int8 (int6 since session 20), and on that Zen 4 (session 18) its int4 body streamed fastest with nta, its int8 head without a
 prefetch. So the loader times passes over each family's linear layers at one activation row, as a decode step reads
 them, in each mode after a settling pass in that mode, and keeps the family's fastest (nta unless another is clearly
 faster). Past MAX_BYTES of a family's weights it times its first layers up to that size: still far beyond any
@@ -58,7 +58,7 @@ def family(layer: Linear) -> str | None:
     if m is None:
         return "bf16"
     weights = m.fused_weights(layer)  # (kind, tensors): the kernel the layer's decode runs (models/fused.py)
-    return None if weights is None else {0: "bf16", 1: "int8", 2: "int4", 3: "int8"}.get(weights[0])
+    return None if weights is None else {0: "bf16", 1: "int8", 2: "int4", 3: "int8", 4: "int6"}.get(weights[0])
 
 
 # The mode is one setting per family for the whole process, and a process can hold two models (a speculative draft

@@ -46,7 +46,7 @@ def eligible(layer) -> bool:
     """A layer with both a streaming copy and fbgemm's int8 copy, whose method may switch between them at any
     row count (int8-woq keeps weight-only arithmetic up to 8 rows, so it does not)."""
     m = layer.quant_method
-    streams = getattr(layer, "q8", None) is not None or getattr(layer, "q4", None) is not None
+    streams = any(getattr(layer, name, None) is not None for name in ("q8", "q4", "q6"))
     return (streams and getattr(layer, "int8_key", None) is not None and m.w8a8_min_rows is not None
             and m.w8a8_min_rows <= 2)
 

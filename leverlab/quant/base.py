@@ -51,7 +51,7 @@ class QuantMethod:
     name: str = ""
     bits_per_weight: float = 16.0  # storage per weight, scales included (for bytes-per-token estimates)
     # True (`int8+head`, `int4+head`): the output head in this same method. Otherwise the head's method is chosen
-    # by --lm-head-quantization (registry.head_quant_method): int8 for int8 and int4 by default.
+    # by --lm-head-quantization (registry.head_quant_method): int8 for int8, int6 (or int8) for int4 by default.
     quantize_lm_head: bool = False
 
     def create_weights(self, layer: nn.Module) -> None:

@@ -17,6 +17,7 @@ QUANT_METHODS: dict[str, tuple[str, str, dict]] = {
     "int4-g32": ("leverlab.quant.int4", "Int4Method", {"group_size": 32}),
     "int4-g64": ("leverlab.quant.int4", "Int4Method", {"group_size": 64}),
     "int4-g128": ("leverlab.quant.int4", "Int4Method", {"group_size": 128}),
+    "int6": ("leverlab.quant.int6", "Int6Method", {"group_size": 64}),  # 6.5 bits: an int4 model's head by default
     # The output head in the method's own kernel (plain int8/int4 put it in int8: --lm-head-quantization).
     "int8+head": ("leverlab.quant.int8", "Int8Method", {"quantize_lm_head": True}),
     "int4+head": ("leverlab.quant.int4", "Int4Method", {"group_size": 64, "quantize_lm_head": True}),
@@ -27,12 +28,13 @@ QUANT_METHODS: dict[str, tuple[str, str, dict]] = {
 # Methods whose weights must come pre-quantized in the checkpoint (their config lives there).
 CHECKPOINT_ONLY = ("awq", "gptq")
 
-# --lm-head-quantization values. "auto": int8 for the int8/int4 methods (the tied head of a small model is a large
-# share of a step's bytes: a fifth of the bundled model, a quarter of Qwen3-0.6B; llama.cpp's Q4_0 files keep it
-# above 4 bits too: Q6_K where rows are a multiple of 256 long, else Q8_0), the model dtype otherwise (fp8;
-# AWQ/GPTQ checkpoints, whose own heads vLLM keeps as they are);
-# "none": the model dtype; "int8": int8 whatever the method; "same": the method's own kernel (int4+head).
-LM_HEAD_QUANTIZATION = ("auto", "none", "int8", "same")
+# --lm-head-quantization values. The tied head of a small model is a large share of a step's bytes (a fifth of the
+# bundled model, a quarter of Qwen3-0.6B), and llama.cpp's Q4_0 files keep it above 4 bits: Q6_K where rows are a
+# multiple of 256 long, else Q8_0. "auto": int8 for the int8 methods; int6 for the int4 methods where the int6
+# kernel streams (a CPU with AVX-512 VNNI and a hidden size that is a multiple of 128: quant/int6.py), else int8;
+# the model dtype otherwise (fp8; AWQ/GPTQ checkpoints, whose own heads vLLM keeps as they are). "none": the model
+# dtype; "int8", "int6": that whatever the method; "same": the method's own kernel (int4+head).
+LM_HEAD_QUANTIZATION = ("auto", "none", "int8", "int6", "same")
 
 # --kv-cache-dtype values; "auto" keeps the model dtype. fp8 is e4m3 (vLLM's "fp8" means the same).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
@@ -53,8 +55,9 @@ def check_lm_head_quantization(name: str) -> str:
     return name
 
 
-def head_quant_method(method, choice: str = "auto"):
-    """The method for the output head, given the model's method and --lm-head-quantization (None: model dtype)."""
+def head_quant_method(method, choice: str = "auto", device=None, hidden: int | None = None):
+    """The method for the output head, given the model's method and --lm-head-quantization (None: model dtype).
+    device, hidden: where the model loads and its hidden size (the head's rows), for auto's int6."""
     choice = check_lm_head_quantization(choice)
     if choice == "none":
         return None
@@ -62,9 +65,24 @@ def head_quant_method(method, choice: str = "auto"):
         if method is None:
             raise UnsupportedLever("--lm-head-quantization same needs a --quantization method")
         return method
+    if choice == "int6" or (choice == "auto" and method is not None and method.name == "int4"
+                            and _fast_int6(device, hidden)):
+        return get_quant_method("int6")
     if choice == "int8" or (method is not None and method.name in ("int8", "int4")):
         return get_quant_method("int8")
     return None
+
+
+def _fast_int6(device, hidden: int | None) -> bool:
+    """Whether an int6 head would stream here at its speed (else auto keeps int8, whose kernels run anywhere)."""
+    import torch
+
+    if device is None or torch.device(device).type != "cpu" or hidden is None or hidden % 128:
+        return False
+    from leverlab.layers import cpu_kernels
+
+    kern = cpu_kernels.kernels()
+    return kern is not None and kern.has_fast_int6()
 
 
 def check_kv_cache_dtype(name: str) -> str:

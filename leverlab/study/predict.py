@@ -3,8 +3,8 @@
 One decode pass reads every weight once plus the KV cache of each sequence in the batch:
     bytes_per_pass = linear_params * bits/8 + head_params * head_bits/8 + other_params' * dtype_bytes
                      + B * context * kv_bytes
-(the output head in int8 under int8/int4, as the engine's --lm-head-quantization auto puts it; other_params' the
-embedding and norms left beside it)
+(the output head in int8 under int8 and int6 under int4, as the engine's --lm-head-quantization auto puts it;
+other_params' the embedding and norms left beside it)
 and produces B * tokens_per_pass tokens, where tokens_per_pass = G / (G - A) from the server's counters
 (G tokens generated, A draft tokens accepted: every pass yields exactly one token of its own plus the accepted
 drafts). So:
@@ -35,6 +35,7 @@ QUANT_BITS = {
     "int4-g32": 4 + 32 / 32,
     "int4-g64": 4 + 32 / 64,
     "int4-g128": 4 + 32 / 128,
+    "int6": 6 + 32 / 64,
     "awq": 4 + 32 / 128,
     "gptq": 4 + 32 / 128,
 }
@@ -74,12 +75,15 @@ def weight_bits(levers: Levers) -> float:
 
 
 def head_bits(levers: Levers) -> float:
-    """The output head's storage bits: int8 under int8/int4 (the engine's default), its own method's for
-    int4+head, the model dtype otherwise (fp8, AWQ/GPTQ keep it)."""
+    """The output head's storage bits: int8 under int8, int6 under int4 (the engine's default where its int6
+    kernel streams: AVX-512 VNNI; int8 elsewhere, where this overestimates the speed by the head's 1.5 bits), its
+    own method's for int4+head and int6, the model dtype otherwise (fp8, AWQ/GPTQ keep it)."""
     q = levers.quantization or ""
     if q == "int4+head":
         return QUANT_BITS["int4"]
-    if q.startswith(("int8", "int4")):
+    if q.startswith(("int4", "int6")):
+        return QUANT_BITS["int6"]
+    if q.startswith("int8"):
         return QUANT_BITS["int8"]
     return DTYPE_BITS.get(levers.dtype, 16)
 

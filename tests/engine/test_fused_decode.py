@@ -86,20 +86,41 @@ def test_engine_tokens_identical_with_and_without_fused_path(checkpoint_factory,
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
 
 
+def test_int4_model_with_an_int6_head_decodes_through_the_fused_step(checkpoint_factory, monkeypatch):
+    """An int4 model of whole-quad width takes the int6 head by default where that kernel streams: the fused step
+    runs it (kind 4), and greedy decoding in float32 gives the module path's tokens, blocks all freed."""
+    path = checkpoint_factory("qwen3", hidden_size=128, intermediate_size=256)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(path, dtype="float32", quantization="int4", lm_head_quantization="int6")
+    head = llm.engine.runner.model.lm_head
+    assert head.quant_method.name == "int6" and head.quant_method.fused_weights(head)[0] == 4
+    assert llm.engine.runner.fused is not None
+    outs = llm.generate(PROMPTS, params)
+    assert llm.engine.runner.fused_steps > 0
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+    monkeypatch.setenv("LEVERLAB_NO_FUSED_DECODE", "1")  # the module path: compute_logits through Int6Method.apply
+    plain = LLM(path, dtype="float32", quantization="int4", lm_head_quantization="int6")
+    assert plain.engine.runner.fused is None
+    ref = plain.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+
+
 def test_fused_path_declines_what_it_does_not_run(checkpoint_factory):
     path = checkpoint_factory("qwen3")
     assert LLM(path, dtype="float32", kv_cache_dtype="fp8").engine.runner.fused is None  # no AVX2 fp8 decode
     assert LLM(path, dtype="float32", quantization="fp8").engine.runner.fused is None  # no fused fp8 kernel
 
 
-@pytest.mark.parametrize("method", ("int8", "int4", "int4-g32"))
+@pytest.mark.parametrize("method", ("int8", "int4", "int4-g32", "int6"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 def test_fused_forward_matches_modules_quantized(checkpoint_factory, method, dtype, monkeypatch):
     """The quantized layers' streaming kernels, called from C++ and from the modules, agree. Every layer streams
     (LEVERLAB_STREAM_ROWS): chosen by timing at load, the module path could take fbgemm's per-row activation
-    quantization for a few rows (it did under load), which is a different product."""
+    quantization for a few rows (it did under load), which is a different product. int6 takes rows in whole
+    128-weight quads: a wider checkpoint."""
     monkeypatch.setenv("LEVERLAB_STREAM_ROWS", "16")
-    model = load_model(checkpoint_factory("qwen2"), str(dtype).split(".")[1], quantization=method)
+    wide = {"hidden_size": 128, "intermediate_size": 256} if method == "int6" else {}
+    model = load_model(checkpoint_factory("qwen2", **wide), str(dtype).split(".")[1], quantization=method)
     expected, got = both_paths(model, dtype, [1, 2, 1])
     tol = 1e-5 if dtype == torch.float32 else 3e-2 * expected.abs().max().item()
     torch.testing.assert_close(got, expected, atol=tol, rtol=1e-5 if dtype == torch.float32 else 0)

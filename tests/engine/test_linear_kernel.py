@@ -94,7 +94,7 @@ def test_prefetch_is_measured_at_load_and_off_by_env(checkpoint_factory, monkeyp
     assert prefetch_tune.tune(draft) is None and kern.stream_prefetch() == held
     monkeypatch.setenv("LEVERLAB_STREAM_PREFETCH", "t0")
     assert prefetch_tune.tune(model) == {"bf16": "t0"}
-    assert [kern.stream_prefetch(f) for f in ("bf16", "int8", "int4")] == ["t0"] * 3
+    assert [kern.stream_prefetch(f) for f in ("bf16", "int8", "int4", "int6")] == ["t0"] * 4
     monkeypatch.setenv("LEVERLAB_STREAM_PREFETCH", "sometimes")
     with pytest.raises(ValueError, match="LEVERLAB_STREAM_PREFETCH"):
         prefetch_tune.tune(model)
@@ -103,7 +103,7 @@ def test_prefetch_is_measured_at_load_and_off_by_env(checkpoint_factory, monkeyp
     kern.set_stream_prefetch("nta")  # the default, for the tests that follow
     with pytest.raises(RuntimeError, match="'off', 'nta' or 't0'"):
         kern.set_stream_prefetch("on")
-    with pytest.raises(RuntimeError, match="family 'bf16', 'int8', 'int4' or 'all'"):
+    with pytest.raises(RuntimeError, match="family 'bf16', 'int8', 'int4', 'int6' or 'all'"):
         kern.set_stream_prefetch("off", "int2")
 
 

@@ -8,7 +8,7 @@ from leverlab.layers.linear import Linear, packed
 from leverlab.quant.base import attach_quant_method, finish_quantization
 from leverlab.quant.registry import QUANT_METHODS, get_quant_method
 
-LOAD_TIME = ("int8", "int8-woq", "int4", "int4-g32", "int4-g64", "int4-g128", "fp8")
+LOAD_TIME = ("int8", "int8-woq", "int4", "int4-g32", "int4-g64", "int4-g128", "int6", "fp8")
 
 
 def quantized_linear(name: str, dtype=torch.float32, in_f=256, bias=True, seed=0):
@@ -55,10 +55,10 @@ def test_dequantized_weight_is_close_to_the_original(name):
     err = (layer.quant_method.dequantize(layer) - w).abs()
     if name.startswith("int8"):  # round-to-nearest: at most half a step of the row's scale
         bound = (w.abs().amax(1) / 127 / 2)[:, None]
-    elif name.startswith("int4"):
-        g = layer.quant_method.group_size
+    elif name.startswith(("int4", "int6")):
+        g, levels = layer.quant_method.group_size, 15 if name.startswith("int4") else 63
         wg = w.reshape(w.shape[0], -1, g)
-        bound = ((wg.amax(-1) - wg.amin(-1)) / 15).repeat_interleave(g, 1)  # within one step (rounded zero)
+        bound = ((wg.amax(-1) - wg.amin(-1)) / levels).repeat_interleave(g, 1)  # within one step (rounded zero)
     else:  # fp8 e4m3: 3 mantissa bits, relative error <= 2^-4, plus the subnormal floor
         bound = w.abs() * 2**-4 + (w.abs().amax(1) / 448 * 2**-9)[:, None]
     assert (err <= bound * 1.001 + 1e-6).all(), (err - bound).max()
@@ -85,12 +85,44 @@ def test_registry_names_the_valid_choices():
     with pytest.raises(UnsupportedLever, match="pre-quantized AWQ"):
         get_quant_method("awq")
     assert set(LOAD_TIME) | {"awq", "gptq", "int8+head", "int4+head"} == set(QUANT_METHODS)
+    with pytest.raises(UnsupportedLever, match="valid: auto, none, int8, int6, same"):
+        EngineConfig(lm_head_quantization="int4")
     assert get_quant_method("int4+head").quantize_lm_head and not get_quant_method("int4").quantize_lm_head
 
 
 def test_int4_refuses_a_group_that_does_not_divide_the_layer():
     with pytest.raises(ValueError, match="multiple of the group size"):
         quantized_linear("int4-g128", in_f=192)
+
+
+def test_int6_refuses_rows_that_are_not_whole_quads():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        quantized_linear("int6", in_f=192)
+
+
+def test_int6_layout_puts_each_weights_high_bits_where_the_kernel_reads_them():
+    """pack_int6_streaming: per 128-weight quad, 96 bytes: its low nibbles in int4's layout, then 32 bytes whose
+    byte t holds the high 2 bits of the kernel's low-vector lanes t, 32 + t and high-vector lanes t, 32 + t (lane
+    16 j + i: weight 32 j + i, or 32 j + 16 + i). Checked weight by weight against that rule, and unpacked back
+    exactly."""
+    from leverlab.quant.int4 import pack_int4_streaming
+    from leverlab.quant.int6 import pack_int6_streaming, unpack_int6_streaming
+
+    torch.manual_seed(1)
+    q = torch.randint(0, 64, (3, 256), dtype=torch.uint8)
+    s, z = torch.rand(3, 4) + 0.1, torch.randint(0, 64, (3, 4), dtype=torch.uint8)
+    packed, ss = pack_int6_streaming(q, s, z, 64)
+    assert packed.shape == (3, 192) and ss.shape == (3, 2, 4)
+    nib, ss4 = pack_int4_streaming(q & 15, s, z, 64)
+    quads = packed.view(3, 2, 96)
+    assert torch.equal(quads[:, :, :64].reshape(3, 128), nib) and torch.equal(ss, ss4)
+    for k in range(256):
+        quad, j, i = k // 128, (k % 128) // 32, k % 32
+        lane = 16 * j + i % 16
+        shift = (0 if i < 16 else 4) + (0 if lane < 32 else 2)
+        high = (quads[:, quad, 64 + lane % 32].int() >> shift) & 3
+        assert torch.equal(high, (q[:, k] >> 4).int()), k
+    assert torch.equal(unpack_int6_streaming(packed), q)
 
 
 def test_int8_gemm_quantizes_activations_per_row():
@@ -204,6 +236,44 @@ def test_int4_streaming_kernel_paths_agree(k, g):
     packed, ss = pack_int4_streaming(*quantize_int4(torch.randn(73, k) * 0.05, g), g)
     _rows_agree_with_the_single_stream(lambda x: kern.int4_linear(x, packed, ss, g, None),
                                        dequantize_streaming(packed, ss), k)
+
+
+@pytest.mark.parametrize("k,g", [(256, 64), (384, 64), (1024, 128), (512, 32), (1024, 256)])
+def test_int6_streaming_kernel_paths_agree(k, g):
+    """As the int4 test above, for int6 (quant/int6.py): with AVX-512 VNNI the single stream and the quad tiles
+    (every row count from 2), elsewhere the plain float loop; float32 rows are the dequantized weight's product."""
+    from leverlab.layers import cpu_kernels
+    from leverlab.quant.int6 import dequantize_int6_streaming, pack_int6_streaming, quantize_int6
+
+    kern = cpu_kernels.kernels()
+    if kern is None:
+        pytest.skip("no C++ kernels here")
+    torch.manual_seed(k + g)
+    packed, ss = pack_int6_streaming(*quantize_int6(torch.randn(73, k) * 0.05, g), g)
+    w = dequantize_int6_streaming(packed, ss)
+    _rows_agree_with_the_single_stream(lambda x: kern.int6_linear(x, packed, ss, g, None), w, k)
+    x = torch.randn(20, k)
+    for m in (1, 3, 16, 20):  # float32: exact against the dequantized weight; 20 rows: past the streaming rows
+        torch.testing.assert_close(kern.int6_linear(x[:m], packed, ss, g, None), x[:m] @ w.t(), atol=1e-4, rtol=1e-5)
+
+
+def test_int4_models_head_is_int6_where_it_streams_fast(monkeypatch):
+    """--lm-head-quantization auto: int6 for int4 on a CPU whose int6 kernel streams (AVX-512 VNNI) and a hidden
+    size in whole 128-weight quads, else int8; int8 for int8; an explicit int6 whatever the method."""
+    from leverlab.layers import cpu_kernels
+    from leverlab.quant.registry import head_quant_method
+
+    kern = cpu_kernels.kernels()
+    fast = kern is not None and kern.has_fast_int6()
+    int4, int8 = get_quant_method("int4"), get_quant_method("int8")
+    assert head_quant_method(int4, "auto", "cpu", 1024).name == ("int6" if fast else "int8")
+    assert head_quant_method(int4, "auto", "cpu", 384).name == ("int6" if fast else "int8")
+    assert head_quant_method(int4, "auto", "cpu", 64).name == "int8"  # not whole quads
+    assert head_quant_method(int4, "auto", "meta", 1024).name == "int8"  # not a CPU: no int6 kernel there
+    assert head_quant_method(int8, "auto", "cpu", 1024).name == "int8"
+    assert head_quant_method(int8, "int6", "cpu", 1024).name == "int6"
+    assert head_quant_method(None, "auto", "cpu", 1024) is None
+    assert head_quant_method(int4, "int8", "cpu", 1024).name == "int8"
 
 
 @pytest.mark.parametrize("k", [256, 352, 384, 608, 1024])

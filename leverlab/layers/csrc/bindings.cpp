@@ -18,11 +18,18 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 int64_t quant_max_rows();
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
                        const c10::optional<at::Tensor>& bias);
+at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
+                       const c10::optional<at::Tensor>& bias);
+bool has_fast_int6();
 void bind_fused_decoder(pybind11::module& m);
 
 namespace {
 int stream_family(const std::string& name) {  // -1: not a family
-  return name == "bf16" ? kStreamBf16 : name == "int8" ? kStreamInt8 : name == "int4" ? kStreamInt4 : -1;
+  return name == "bf16"   ? kStreamBf16
+         : name == "int8" ? kStreamInt8
+         : name == "int4" ? kStreamInt4
+         : name == "int6" ? kStreamInt6
+                          : -1;
 }
 int prefetch_kind(const std::string& name) {  // -1: not a kind
   return name == "off" ? kPrefetchOff : name == "nta" ? kPrefetchNonTemporal : name == "t0" ? kPrefetchAhead : -1;
@@ -50,24 +57,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = (x W^T) * s (+ b) for int8 W [N, K], float32 s [N]; streaming for 1..quant_max_rows() rows; "
         "quantize_x: bf16/fp16 x quantized per 32-block for integer dot products");
   m.def("int4_linear", &int4_linear, "y = x W^T (+ b) for int4 W (packed [N, K/2], fp16 scales and zero points [N, 2, K/g]); streaming for 1..quant_max_rows() rows");
+  m.def("int6_linear", &int6_linear, "y = x W^T (+ b) for int6 W (packed [N, 3K/4]: int4's layout, then the "
+        "high 2 bits; fp16 scales and zero points [N, 2, K/g]); streaming for 1..quant_max_rows() rows");
+  m.def("has_fast_int6", &has_fast_int6, "whether int6_linear streams bf16/fp16 rows with integer dot products "
+        "(AVX-512 VNNI); else it takes a plain float loop");
   m.def("quant_max_rows", &quant_max_rows, "the most activation rows the streaming int8/int4 kernels take");
   m.def("set_stream_prefetch",
         [](const std::string& kind, const std::string& family) {
           const int mode = prefetch_kind(kind);
           TORCH_CHECK(mode >= 0, "set_stream_prefetch: 'off', 'nta' or 't0', not '", kind, "'");
           const int f = stream_family(family);
-          TORCH_CHECK(f >= 0 || family == "all", "set_stream_prefetch: family 'bf16', 'int8', 'int4' or 'all', not '",
+          TORCH_CHECK(f >= 0 || family == "all", "set_stream_prefetch: family 'bf16', 'int8', 'int4', 'int6' or 'all', "
+                      "not '",
                       family, "'");
           for (int i = 0; i < kStreamFamilies; ++i)
             if (f < 0 || f == i) stream_prefetch_mode(i) = mode;
         },
         pybind11::arg("kind"), pybind11::arg("family") = "all",
-        "how the streaming kernels of one family ('bf16', 'int8', 'int4'; 'all': every one) prefetch their weights: "
+        "how the streaming kernels of one family ('bf16', 'int8', 'int4', 'int6'; 'all': every one) prefetch their weights: "
         "'off', 'nta' (non-temporal, 1 KB ahead) or 't0' (into every cache level, 4 KB ahead); csrc/stream_hint.h");
   m.def("stream_prefetch",
         [](const std::string& family) {
           const int f = stream_family(family);
-          TORCH_CHECK(f >= 0, "stream_prefetch: family 'bf16', 'int8' or 'int4', not '", family, "'");
+          TORCH_CHECK(f >= 0, "stream_prefetch: family 'bf16', 'int8', 'int4' or 'int6', not '", family, "'");
           return prefetch_name(stream_prefetch_mode(f));
         },
         pybind11::arg("family") = "bf16", "the prefetch kind one family's streaming kernels issue");

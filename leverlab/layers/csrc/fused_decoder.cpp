@@ -35,7 +35,7 @@ namespace {
 // A linear layer as the fused path sees it (the kernels are in quant_linear.cpp). kind 0: float weight [N, K];
 // 1: int8 weight [N, K] with a float32 scale per output row, weight-only (3: the same with bf16/fp16 activations
 // quantized per 32-block for integer dot products); 2: int4 packed [N, K/2] with fp16 scales and zero points
-// (`scale`, [N, 2, K/g]).
+// (`scale`, [N, 2, K/g]); 4: int6 packed [N, 3K/4] with the same scales (an int4 model's output head).
 // A quantized layer may also have fbgemm's int8 x int8 GEMM (quant/int8_gemm.py) for more rows than it streams
 // (`stream_rows`, measured at load: quant/autotune.py): `packed` is its prepacked weight, called through the
 // dispatcher as the module path calls it, so that batches past the streaming kernels' crossover stay on this path.
@@ -61,6 +61,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
                        const c10::optional<at::Tensor>& bias, bool quantize_x);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
                        const c10::optional<at::Tensor>& bias);
+at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
+                       const c10::optional<at::Tensor>& bias);
 
 namespace {
 
@@ -80,9 +82,9 @@ at::Tensor apply(const Lin& l, const at::Tensor& x) {
   if (!l.packed.isNone() && x.size(0) > l.stream_rows) return batched(l, x);
   c10::optional<at::Tensor> b = l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt;
   if (l.kind == 1 || l.kind == 3) return int8_linear(x, l.w, l.scale, b, l.kind == 3);
-  if (l.kind == 2) {  // the group size: K / (number of groups)
-    const int64_t groups = l.scale.size(2);
-    return int4_linear(x, l.w, l.scale, x.size(1) / groups, b);
+  if (l.kind == 2 || l.kind == 4) {  // the group size: K / (number of groups)
+    const int64_t group = x.size(1) / l.scale.size(2);
+    return l.kind == 2 ? int4_linear(x, l.w, l.scale, group, b) : int6_linear(x, l.w, l.scale, group, b);
   }
   return linear_bf16(x, l.w, b);  // our streaming kernel for bf16 rows it takes, else the best GEMM here
 }

@@ -396,14 +396,55 @@ inline void scale_chunk16(const at::Half* sr, int64_t G, int64_t c, const at::Ha
   }
 }
 
+// int6 (quant/int6.py): a weight is 6 bits, q in 0..63; a row is 96 bytes per quad: its low 4 bits in int4's
+// layout (64 bytes), then a plane of their high 2 bits (32 bytes). One stream: with the plane at the row's end
+// instead (two runs per row), the hardware prefetcher alone read the 0.6B shape's head at half the rate. Byte t of
+// a quad's plane
+// holds the high bits of the quad's lanes t and 32 + t of the low-nibble vector (bits 0-1, 2-3) and of the
+// high-nibble vector (bits 4-5, 6-7), so that one 256-bit load broadcast to both halves and one variable shift
+// per 16-bit lane (4 or 2 left, 0 or 2 right) put every lane's two bits at bits 4-5 of its byte. vpdpbusd's
+// products stay small: 4 * 63 * 127 per lane.
+__attribute__((always_inline)) inline void add_high2(const uint8_t* plane, __m512i& lo, __m512i& hi) {
+  const __m512i u = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane)));
+  const __m512i bits45 = _mm512_set1_epi8(0x30);
+#if defined(__AVX512VBMI__)
+  // vpmultishiftqb: output byte r of each qword takes the 8 bits of its qword from bit 8r + f - 4 (rotating), f
+  // the field's offset in its byte (0 / 2 for the low vector's lanes 0..31 / 32..63, 4 / 6 for the high one's), so
+  // that the field lands at bits 4-5.
+  constexpr auto qword = [](int f) {  // the control bytes of one qword for field offset f
+    uint64_t c = 0;
+    for (int r = 0; r < 8; ++r) c |= static_cast<uint64_t>((8 * r + f - 4) & 63) << (8 * r);
+    return static_cast<long long>(c);
+  };
+  const __m512i lo_ctrl = _mm512_set_epi64(qword(2), qword(2), qword(2), qword(2), qword(0), qword(0), qword(0), qword(0));
+  const __m512i hi_ctrl = _mm512_set_epi64(qword(6), qword(6), qword(6), qword(6), qword(4), qword(4), qword(4), qword(4));
+  lo = _mm512_ternarylogic_epi32(lo, _mm512_multishift_epi64_epi8(lo_ctrl, u), bits45, 0xF8);  // a | (b & c)
+  hi = _mm512_ternarylogic_epi32(hi, _mm512_multishift_epi64_epi8(hi_ctrl, u), bits45, 0xF8);
+#else
+  const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  // lanes 0..31, 32..63
+  const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_sllv_epi16(u, left), bits45));
+  hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srlv_epi16(u, right), bits45));
+#endif
+}
+
 // One quad (blocks 4q .. 4q + 3) of a weight row against x in quad order: their dot products, block b's in lanes
-// 4b .. 4b + 3, times x's block scales and the weight scales ws (each block's group scale in its four lanes), into acc.
+// 4b .. 4b + 3, times x's block scales and the weight scales ws (each block's group scale in its four lanes), into
+// acc. SIX: an int6 row (96 bytes a quad).
+template <bool SIX>
 __attribute__((always_inline)) inline void u4_quad_512(const uint8_t* wr, const QuantizedRows& x, int64_t q,
                                                        __m512 ws, __m512& acc) {
   const __m512i nib = _mm512_set1_epi8(0x0F);
-  prefetch_stream<kStreamInt4>(wr + q * 64);
-  const __m512i v = _mm512_loadu_si512(wr + q * 64);
-  const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+  const uint8_t* wq = wr + q * (SIX ? 96 : 64);
+  if constexpr (SIX) {  // a quad is a line and a half: two prefetches
+    prefetch_stream<kStreamInt6>(wq);
+    prefetch_stream<kStreamInt6>(wq + 64);
+  } else {
+    prefetch_stream<kStreamInt4>(wq);
+  }
+  const __m512i v = _mm512_loadu_si512(wq);
+  __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+  if constexpr (SIX) add_high2(wq + 64, lo, hi);
   __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x.q4 + q * 128));
   d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(x.q4 + q * 128 + 64));
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(_mm512_loadu_ps(x.sp + q * 16), ws), acc);
@@ -415,8 +456,9 @@ __attribute__((always_inline)) inline void u4_quad_512(const uint8_t* wr, const 
 // block numbers, shifted by the group size) had been 3 of ~13 ops, and the unrolled chunk ran 1.5-1.7x as many
 // weights per second hot in L2 (standalone harness, K = 1024 and 3072, session 10). A partial last chunk (G not a
 // multiple of 16) takes the same quads with the permutation computed; blocks past the last whole quad (K / 32
-// not a multiple of 4) are summed in scalar code. gsum: G rounded up to 16, zero past G.
-template <int GS>
+// not a multiple of 4) are summed in scalar code. gsum: G rounded up to 16, zero past G. SIX: an int6 row (whole
+// quads only: the caller checked K % 128 == 0).
+template <int GS, bool SIX = false>
 __attribute__((always_inline)) inline __m512 u4_row_512(const uint8_t* wr, const at::Half* sr, const at::Half* end,
                                                         int64_t G, const QuantizedRows& x, const float* gsum) {
   constexpr int kQuadsPerChunk = 4 * GS;
@@ -435,18 +477,18 @@ __attribute__((always_inline)) inline __m512 u4_row_512(const uint8_t* wr, const
             (4 * j) / GS, (4 * j) / GS, (4 * j) / GS, (4 * j) / GS, (4 * j + 1) / GS, (4 * j + 1) / GS,
             (4 * j + 1) / GS, (4 * j + 1) / GS, (4 * j + 2) / GS, (4 * j + 2) / GS, (4 * j + 2) / GS,
             (4 * j + 2) / GS, (4 * j + 3) / GS, (4 * j + 3) / GS, (4 * j + 3) / GS, (4 * j + 3) / GS);
-        u4_quad_512(wr, x, q0 + j, _mm512_permutexvar_ps(lane_group, sv), j & 1 ? acc1 : acc0);
+        u4_quad_512<SIX>(wr, x, q0 + j, _mm512_permutexvar_ps(lane_group, sv), j & 1 ? acc1 : acc0);
       }
     } else {
       const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
       for (int64_t q = q0; q < Q; ++q) {
         const __m512i blk = _mm512_add_epi32(first, _mm512_set1_epi32(static_cast<int>(4 * (q - q0))));
-        u4_quad_512(wr, x, q, _mm512_permutexvar_ps(_mm512_srli_epi32(blk, __builtin_ctz(GS)), sv), acc0);
+        u4_quad_512<SIX>(wr, x, q, _mm512_permutexvar_ps(_mm512_srli_epi32(blk, __builtin_ctz(GS)), sv), acc0);
       }
     }
   }
   float tail = 0.f;  // blocks 4Q .. B (K / 32 not a multiple of 4), x in its natural order
-  for (int64_t b = 4 * Q; b < x.B; ++b) {
+  for (int64_t b = 4 * Q; !SIX && b < x.B; ++b) {
     const float ws = static_cast<float>(sr[b / GS]) * x.scale[b];
     const int8_t* xb = x.q + b * 32;
     int32_t dot = 0;
@@ -698,10 +740,12 @@ inline __m128 hsums4_512(const __m512* a) {
 
 // u4_tile on AVX-512 VNNI, four blocks per step as the single stream's quads (u4_row_512): each weight quad is
 // unpacked once for the tile's MG activation rows, and its per-block group scales (wsb: weight row i's at
-// wsb + i B, one float per block) become one vector by a lane permute. Needs x in quad order (quad_rows).
-template <int NW, int MG>
+// wsb + i B, one float per block) become one vector by a lane permute. Needs x in quad order (quad_rows). SIX:
+// int6 rows (3K / 4 bytes apart, 96 bytes a quad).
+template <int NW, int MG, bool SIX = false>
 inline void u4_tile_512(const uint8_t* w, int64_t K, const float* wsb, const QuantizedRows& x, int64_t r0,
                         __m128* out) {
+  const int64_t rb = SIX ? 3 * K / 4 : K / 2;  // bytes per weight row
   __m512 acc[NW][MG];
   for (int i = 0; i < NW; ++i)
     for (int m = 0; m < MG; ++m) acc[i][m] = _mm512_setzero_ps();
@@ -713,11 +757,17 @@ inline void u4_tile_512(const uint8_t* w, int64_t K, const float* wsb, const Qua
     __m512 ws[NW];
 #pragma GCC unroll 4
     for (int i = 0; i < NW; ++i) {
-      const uint8_t* wq = w + i * (K / 2) + q * 64;
-      prefetch_stream<kStreamInt4>(wq);
+      const uint8_t* wq = w + i * rb + q * (SIX ? 96 : 64);
+      if constexpr (SIX) {
+        prefetch_stream<kStreamInt6>(wq);
+        prefetch_stream<kStreamInt6>(wq + 64);
+      } else {
+        prefetch_stream<kStreamInt4>(wq);
+      }
       const __m512i v = _mm512_loadu_si512(wq);
       lo[i] = _mm512_and_si512(v, nib);
       hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      if constexpr (SIX) add_high2(wq + 64, lo[i], hi[i]);
       ws[i] = _mm512_permutexvar_ps(lane4, _mm512_castps128_ps512(_mm_loadu_ps(wsb + i * B + 4 * q)));
     }
 #pragma GCC unroll 4
@@ -995,14 +1045,16 @@ void int4_rows_f32(const at::Tensor& x, const uint8_t* w, const at::Half* ss, in
 
 #if LEVERLAB_QUANT_AVX2
 // The zero point's term s z sum(x) uses the quantized x's block sums, so the result is exactly that of the
-// dequantized weight times the quantized activations.
-template <typename T>
+// dequantized weight times the quantized activations. SIX: int6 rows (3K / 4 bytes each; AVX-512 VNNI and
+// K % 128 == 0, which int6_linear checked: the single stream and the quad tiles, for every row count).
+template <typename T, bool SIX = false>
 void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int64_t g, const float* bias, T* y,
                   int64_t N, int64_t K) {
   static thread_local std::vector<float> gbuf;
   QuantizedRows xq = quantize_q8<T>(x);
   const int64_t M = x.size(0), G = K / g, bpg = g / 32;
   const int gshift = __builtin_ctzll(bpg);  // the caller checked that bpg is a power of two
+  const int64_t rb = SIX ? 3 * K / 4 : K / 2;  // bytes per weight row
   // Per group, the sum of the quantized x: [M][G16] (gsum; G rounded up to 16, zero past G, so that 8 or 16 groups
   // are one vector), and transposed [G][M4] (M rounded up to 4, zero past M) so that a tile's 4 rows are one vector.
   const int64_t M4 = (M + 3) / 4 * 4, G16 = (G + 15) / 16 * 16;
@@ -1019,7 +1071,7 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
   bool wide = false, quads = false;  // AVX-512: one long row, or several rows, in quad order
 #if LEVERLAB_QUANT_AVX512
   wide = M == 1;  // short rows too, as int8's (1.10x the four-row AVX2 pass on the bundled model's shapes)
-  quads = M >= 4 && xq.B % 4 == 0;  // two or three rows measured 0.86-0.93x the pairs on some shapes
+  quads = (M >= 4 || (SIX && M > 1)) && xq.B % 4 == 0;  // two or three int4 rows: 0.86-0.93x the pairs, some shapes
   if (wide) quad_row(xq);
   if (quads) quad_rows(xq, M);
 #endif
@@ -1032,7 +1084,7 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
       if (wide) {
         auto rows = [&](auto gs) {
           stream_rows_512(n0, n1, [&](int64_t r) {
-            return u4_row_512<decltype(gs)::value>(w + r * (K / 2), ss + r * 2 * G, ss + N * 2 * G, G, xq, gsum);
+            return u4_row_512<decltype(gs)::value, SIX>(w + r * rb, ss + r * 2 * G, ss + N * 2 * G, G, xq, gsum);
           }, static_cast<const float*>(nullptr), bias, y);
         };
         switch (gshift) {  // blocks per group: g = 32, 64, 128, 256
@@ -1044,6 +1096,7 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
         return;
       }
 #endif
+      if constexpr (SIX) return;  // not reached: `wide` above
       if (K <= kFourRowsMaxK) {  // short rows: four weight rows at a time
         float out[4];
         for (; n + 4 <= n1; n += 4) {
@@ -1072,8 +1125,9 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
           M,
           [&](auto mg, int64_t m0, __m128* out) {
 #if LEVERLAB_QUANT_AVX512
-            if (quads) return u4_tile_512<NW, decltype(mg)::value>(w + n * (K / 2), K, wsb, xq, m0, out);
+            if (quads) return u4_tile_512<NW, decltype(mg)::value, SIX>(w + n * rb, K, wsb, xq, m0, out);
 #endif
+            if constexpr (SIX) return;  // not reached: `quads` above
             u4_tile<NW, decltype(mg)::value>(w + n * (K / 2), K, sf, 2 * G, gshift, xq, m0, out);
           },
           [&](int i, int64_t m0, int mg, __m128 v) {
@@ -1162,6 +1216,109 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 #endif
     int4_rows_f32<scalar_t>(x, packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), group, bp,
                             y.data_ptr<scalar_t>(), N, K);
+  });
+  return y;
+}
+
+// ---- int6 ------------------------------------------------------------------------------------------------
+
+namespace {
+
+// Weight k of an int6 row (quant/int6.py: per 128-weight quad, 64 bytes of int4-layout nibbles, then 32 of high
+// bits; add_high2 gives the plane's order), in 0..63.
+inline int u6_at(const uint8_t* wr, int64_t k) {
+  const int64_t i = k % 32, lane = 16 * ((k % 128) / 32) + i % 16;  // lane: in the quad's nibble vectors
+  const uint8_t* quad = wr + (k / 128) * 96;
+  const uint8_t nb = quad[((k % 128) / 32) * 16 + i % 16];
+  const uint8_t hb = quad[64 + lane % 32];
+  const int shift = (i < 16 ? 0 : 4) + (lane < 32 ? 0 : 2);
+  return (i < 16 ? nb & 15 : nb >> 4) | (((hb >> shift) & 3) << 4);
+}
+
+// Row n's weights as floats (q - z) * s, into dst [K].
+inline void u6_row_f32(const uint8_t* w, const at::Half* ss, int64_t n, int64_t K, int64_t g, float* dst) {
+  const int64_t G = K / g;
+  const uint8_t* wr = w + n * (3 * K / 4);
+  const at::Half* sr = ss + n * 2 * G;
+  for (int64_t k = 0; k < K; ++k)
+    dst[k] = (static_cast<float>(u6_at(wr, k)) - static_cast<float>(sr[G + k / g])) * static_cast<float>(sr[k / g]);
+}
+
+// The plain path (float32 activations: exact against the dequantized weight; CPUs without AVX-512 VNNI): each
+// weight row decoded once into floats, then a dot product per activation row.
+template <typename T>
+void int6_rows_f32(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int64_t g, const float* bias, T* y,
+                   int64_t N, int64_t K) {
+  static thread_local std::vector<float> xbuf;
+  const int64_t M = x.size(0);
+  float* xs = scratch(xbuf, M * K);
+  for (int64_t m = 0; m < M; ++m) {
+    const T* xr = x.data_ptr<T>() + m * x.stride(0);
+    for (int64_t k = 0; k < K; ++k) xs[m * K + k] = static_cast<float>(xr[k]);
+  }
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    static thread_local std::vector<float> rbuf;
+    float* wf = scratch(rbuf, K);
+    for (int64_t n = n0; n < n1; ++n) {
+      u6_row_f32(w, ss, n, K, g, wf);
+      for (int64_t m = 0; m < M; ++m) {
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t k = 0; k < K; ++k) acc += wf[k] * xs[m * K + k];
+        y[m * N + n] = static_cast<T>(acc + (bias ? bias[n] : 0.f));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+bool has_fast_int6() {
+#if LEVERLAB_QUANT_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K], packed [N, 3K/4] uint8 (u6_at's layout), scales [N, 2, K / g] fp16 -> [M, N] in x's dtype. bf16/fp16
+// rows stream with integer dot products on AVX-512 VNNI where K % 128 == 0 (has_fast_int6), up to
+// quant_max_rows() of them; more take aten's matmul on the dequantized weight; the rest the plain path.
+at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) % 128 == 0 && 3 * x.size(1) == 4 * packed.size(1),
+              "int6_linear: x [M, K], w [N, 3K/4], K a multiple of 128");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "int6_linear: contiguous uint8 weight");
+  const int64_t M = x.size(0), N = packed.size(0), K = x.size(1);
+  TORCH_CHECK(group % 32 == 0 && K % group == 0, "int6_linear: the group size is a multiple of 32 dividing K");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == N && scales.size(1) == 2 && scales.size(2) == K / group,
+              "int6_linear: fp16 scales and zero points [N, 2, K / group]");
+  at::Tensor b32;
+  const float* bp = bias_f32(bias, b32);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const at::Half* ss = scales.data_ptr<at::Half>();
+  if (M > quant_max_rows() || x.stride(1) != 1) {
+    at::Tensor wf = at::empty({N, K}, at::kFloat);
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) u6_row_f32(w, ss, n, K, group, wf.data_ptr<float>() + n * K);
+    });
+    at::Tensor y = at::mm(x.to(at::kFloat), wf.t());
+    if (bp) y = y + b32;
+    return y.to(x.scalar_type());
+  }
+  auto y = at::empty({M, N}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int6_linear", [&] {
+#if LEVERLAB_QUANT_AVX512
+    if constexpr (kHalfWidth<scalar_t>) {
+      const int64_t bpg = group / 32;
+      if ((bpg & (bpg - 1)) == 0) {
+        int4_rows_q8<scalar_t, true>(x, w, ss, group, bp, y.data_ptr<scalar_t>(), N, K);
+        return;
+      }
+    }
+#endif
+    int6_rows_f32<scalar_t>(x, w, ss, group, bp, y.data_ptr<scalar_t>(), N, K);
   });
   return y;
 }

@@ -29,12 +29,14 @@ enum StreamPrefetch : int { kPrefetchOff = 0, kPrefetchNonTemporal = 1, kPrefetc
 constexpr int64_t kNonTemporalAhead = 1024;  // 512 B..2 KB measured alike on a Zen 3
 constexpr int64_t kT0Ahead = 4096;
 
-// The kernel families, each with its own mode: the bf16 kernel, the int8 kernels (W8A8 and weight-only), int4.
-enum StreamFamily : int { kStreamBf16 = 0, kStreamInt8 = 1, kStreamInt4 = 2, kStreamFamilies = 3 };
+// The kernel families, each with its own mode: the bf16 kernel, the int8 kernels (W8A8 and weight-only), int4,
+// int6 (an int4 model's output head by default on AVX-512 VNNI: quant/int6.py).
+enum StreamFamily : int { kStreamBf16 = 0, kStreamInt8 = 1, kStreamInt4 = 2, kStreamInt6 = 3, kStreamFamilies = 4 };
 
 // The kind a family's kernels issue: non-temporal until the loader has measured the model (set_stream_prefetch).
 inline int& stream_prefetch_mode(int family) {
-  static int mode[kStreamFamilies] = {kPrefetchNonTemporal, kPrefetchNonTemporal, kPrefetchNonTemporal};
+  static int mode[kStreamFamilies] = {kPrefetchNonTemporal, kPrefetchNonTemporal, kPrefetchNonTemporal,
+                                      kPrefetchNonTemporal};
   return mode[family];
 }
 

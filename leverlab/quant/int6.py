@@ -1,0 +1,149 @@
+"""INT6, group-wise asymmetric: W ~= (q - z) * s, q and z in [0, 63], one fp16 (s, z) per `group_size` inputs.
+
+What it is for: an int4 model's output head. The tied head of a small model is a large share of a decode step's
+bytes (a quarter of Qwen3-0.6B in bf16, over a third of its int4 step with an int8 head), and its logits are the
+most precision-sensitive output, so llama.cpp's Q4_0 files keep it in Q6_K (6.56 bits per weight). This is our
+6-bit step: 6 + 32/g bits per weight (6.5 at g = 64), quantized at load time by round-to-nearest.
+
+Kernels (layers/csrc/quant_linear.cpp, int6_linear): per 128 weights, 64 bytes of low nibbles in int4's layout
+(pack_int4_streaming) and 32 of high 2 bits, side by side, so that one decode pass reads each row front to back. bf16/fp16 activations up to 16 rows take the int4 kernel's AVX-512 VNNI
+loops with two more ops per 64 weights (has_fast_int6); elsewhere, and for float32 activations, a plain loop
+that is exact against the dequantized weight. More rows take fbgemm's int8 GEMM over an int8 copy, as int4 does
+(int8_gemm.py). No GPU kernel: on other devices the weight is held dequantized (unmeasured).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from leverlab.errors import UnsupportedLever
+from leverlab.quant import int8_gemm
+from leverlab.quant.base import QuantMethod, flatten, set_param
+from leverlab.quant.int4 import INT4_GROUP_SIZES, pack_int4_streaming
+from leverlab.quant.int8 import STREAMING_MAX_ROWS, quantize_int8, streaming_kernels, use_int8_gemm
+
+QUAD = 128  # weights per quad: the kernel's step, and the high-bit plane's unit (32 bytes)
+
+
+def quantize_int6(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [out, in] -> q uint8 [out, in] (0..63), scales float32 [out, in/g], zeros uint8 [out, in/g]: min/max
+    round-to-nearest with integer zero points, as quantize_int4 with 64 levels."""
+    out, k = w.shape
+    g = w.float().reshape(out, k // group_size, group_size)
+    wmax, wmin = g.amax(dim=-1), g.amin(dim=-1)
+    scales = ((wmax - wmin) / 63.0).clamp(min=1e-8)
+    zeros = torch.round(-wmin / scales).clamp(0, 63)
+    q = (torch.round(g / scales[..., None]) + zeros[..., None]).clamp(0, 63)
+    return q.reshape(out, k).to(torch.uint8), scales, zeros.to(torch.uint8)
+
+
+def pack_int6_streaming(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                        group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed [out, 3 in/4] uint8, [out, 2, in/g] fp16 s then z). A row is a run of 96-byte quads, one per 128
+    weights, so that the kernel reads it front to back as one stream: the quad's low nibbles in int4's layout
+    (64 bytes: pack_int4_streaming), then its high 2 bits (32 bytes). In a quad, lane p = 16 j + i (block j,
+    i < 16) of the kernel's low-nibble vector holds weight 32 j + i, of its high-nibble vector weight 32 j + 16 + i;
+    the plane's byte t holds the high bits of low lanes t and 32 + t (bits 0-1, 2-3) and of high lanes t and
+    32 + t (bits 4-5, 6-7)."""
+    out, k = q.shape
+    if k % QUAD:
+        raise ValueError(f"int6: in_features {k} is not a multiple of {QUAD}")
+    q = q.to(torch.uint8)
+    nibbles, ss = pack_int4_streaming(q & 15, scales, zeros, group_size)
+    h = (q >> 4).reshape(out, k // QUAD, 4, 2, 16)  # [row, quad, block j, half, i]
+    lo, hi = h[:, :, :, 0].reshape(out, -1, 64), h[:, :, :, 1].reshape(out, -1, 64)  # lanes p = 16 j + i
+    plane = lo[..., :32] | (lo[..., 32:] << 2) | (hi[..., :32] << 4) | (hi[..., 32:] << 6)
+    quads = torch.cat([nibbles.reshape(out, k // QUAD, 64), plane], dim=2)  # [row, quad, 96]
+    return quads.reshape(out, 3 * k // 4).contiguous(), ss
+
+
+def unpack_int6_streaming(packed: torch.Tensor) -> torch.Tensor:
+    """q uint8 [out, in] from pack_int6_streaming's rows."""
+    out, k = packed.shape[0], packed.shape[1] * 4 // 3
+    quads = packed.reshape(out, k // QUAD, 96)
+    p = quads[..., :64].reshape(out, k // 32, 16)
+    low = torch.cat([p & 15, p >> 4], dim=2).reshape(out, k // QUAD, 4, 2, 16)
+    plane = quads[..., 64:]
+    lanes = [(plane >> s) & 3 for s in (0, 2, 4, 6)]  # low lanes t, 32 + t; high lanes t, 32 + t
+    lo = torch.cat(lanes[:2], dim=2).reshape(out, k // QUAD, 4, 16)
+    hi = torch.cat(lanes[2:], dim=2).reshape(out, k // QUAD, 4, 16)
+    return (low | (torch.stack([lo, hi], dim=3) << 4)).reshape(out, k)
+
+
+def dequantize_int6_streaming(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 [out, in] weight that pack_int6_streaming's (packed, scales) encode: (q - z) * s."""
+    q = unpack_int6_streaming(packed).float()
+    out, ng = scales.shape[0], scales.shape[2]
+    s = scales.float()
+    return ((q.view(out, ng, -1) - s[:, 1, :, None]) * s[:, 0, :, None]).view(out, -1)
+
+
+class Int6Method(QuantMethod):
+    name = "int6"
+    w8a8_min_rows = 2  # past the streaming rows, fbgemm's int8 GEMM over an int8 copy (autotune.py times both)
+
+    def __init__(self, group_size: int = 64):
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int6 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+        self.group_size = group_size
+        self.bits_per_weight = 6 + 32 / group_size
+
+    @classmethod
+    def from_checkpoint_config(cls, qcfg: dict) -> Int6Method:
+        raise UnsupportedLever("int6 has no checkpoint format: quantize at load time (--quantization int6, or "
+                               "--lm-head-quantization int6)")
+
+    def config_dict(self) -> dict:
+        return {"quant_method": self.name, "bits": 6, "group_size": self.group_size}
+
+    def create_weights(self, layer) -> None:
+        layer.params_dtype = layer.weight.dtype
+        if layer.in_features % QUAD or layer.in_features % self.group_size:
+            raise ValueError(f"int6: in_features {layer.in_features} must be a multiple of {QUAD} and of the "
+                             f"group size {self.group_size}")
+
+    def process_weights_after_loading(self, layer) -> None:
+        packed, ss = pack_int6_streaming(*quantize_int6(layer.weight.data, self.group_size), self.group_size)
+        dev = layer.weight.device
+        set_param(layer, "weight", None)
+        layer.q6 = (packed, ss) if streaming_kernels(dev) is not None else None
+        layer.int8_key = None
+        layer.dense = None
+        if use_int8_gemm(layer, layer.params_dtype, dev):  # the batched rows' copy (Int4Method's docstring)
+            layer.int8_key = int8_gemm.pack(layer, *quantize_int8(dequantize_int6_streaming(packed, ss)))
+        if layer.q6 is None:  # no kernel of ours here: the weight dequantized, in the model dtype
+            layer.dense = dequantize_int6_streaming(packed, ss).to(layer.params_dtype)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        x2 = flatten(x)
+        rows = x2.shape[0]
+        if layer.q6 is not None and rows <= getattr(layer, "stream_rows", STREAMING_MAX_ROWS):
+            y = streaming_kernels(x.device).int6_linear(x2, *layer.q6, self.group_size, layer.bias)
+            return y.view(*x.shape[:-1], layer.out_features)
+        if layer.int8_key is not None and rows >= self.w8a8_min_rows:
+            y = int8_gemm.int8_linear(x2, layer.int8_key, layer.out_features).to(x.dtype)
+        elif layer.q6 is not None:
+            y = streaming_kernels(x.device).int6_linear(x2, *layer.q6, self.group_size, None)
+        else:
+            y = x2 @ layer.dense.t().to(x.dtype)
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.view(*x.shape[:-1], layer.out_features)
+
+    def fused_weights(self, layer) -> tuple[int, list] | None:
+        return (4, [*layer.q6, layer.bias]) if layer.q6 is not None else None  # fused_decoder.cpp: kind 4
+
+    def dequantize(self, layer) -> torch.Tensor:
+        if layer.q6 is None:
+            return layer.dense.float()
+        return dequantize_int6_streaming(*layer.q6)
+
+    def bytes_read(self, layer, rows: int) -> int:
+        bias = layer.bias.numel() * layer.bias.element_size() if layer.bias is not None else 0
+        if layer.q6 is not None and rows <= getattr(layer, "stream_rows", STREAMING_MAX_ROWS):
+            return layer.q6[0].numel() + layer.q6[1].numel() * 2 + bias
+        if layer.int8_key is not None and rows >= self.w8a8_min_rows:
+            return layer.out_features * (layer.in_features + 4) + bias
+        if layer.q6 is not None:
+            return layer.q6[0].numel() + layer.q6[1].numel() * 2 + bias
+        return layer.dense.numel() * layer.dense.element_size() + bias
