@@ -55,7 +55,7 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.de
     tp_size = tp.size if tp is not None else 1
     check_model(cfg, tp_size)
     method = resolve_quant_method(path, quantization)
-    head = head_quant_method(method, lm_head, device=device, hidden=cfg.hidden_size)
+    head = head_quant_method(method, lm_head, device=device, hidden=cfg.hidden_size, dtype=dtype)
     with _default_dtype(DTYPES[dtype]), torch.device(device), use_tp(tp):
         model = CausalLM(cfg)
     try:

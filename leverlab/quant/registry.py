@@ -55,9 +55,9 @@ def check_lm_head_quantization(name: str) -> str:
     return name
 
 
-def head_quant_method(method, choice: str = "auto", device=None, hidden: int | None = None):
+def head_quant_method(method, choice: str = "auto", device=None, hidden: int | None = None, dtype: str | None = None):
     """The method for the output head, given the model's method and --lm-head-quantization (None: model dtype).
-    device, hidden: where the model loads and its hidden size (the head's rows), for auto's int6."""
+    device, hidden, dtype: where the model loads, its hidden size (the head's rows) and dtype, for auto's int6."""
     choice = check_lm_head_quantization(choice)
     if choice == "none":
         return None
@@ -66,18 +66,22 @@ def head_quant_method(method, choice: str = "auto", device=None, hidden: int | N
             raise UnsupportedLever("--lm-head-quantization same needs a --quantization method")
         return method
     if choice == "int6" or (choice == "auto" and method is not None and method.name == "int4"
-                            and _fast_int6(device, hidden)):
+                            and _fast_int6(device, hidden, dtype)):
         return get_quant_method("int6")
     if choice == "int8" or (method is not None and method.name in ("int8", "int4")):
         return get_quant_method("int8")
     return None
 
 
-def _fast_int6(device, hidden: int | None) -> bool:
-    """Whether an int6 head would stream here at its speed (else auto keeps int8, whose kernels run anywhere)."""
+def _fast_int6(device, hidden: int | None, dtype: str | None) -> bool:
+    """Whether an int6 head would stream here at its speed (else auto keeps int8, whose kernels run anywhere):
+    bf16/fp16 activations (float32 takes a plain loop, and has no int8 copy for batched rows) on a CPU with the
+    AVX-512 VNNI kernel, rows in whole 128-weight quads."""
     import torch
 
     if device is None or torch.device(device).type != "cpu" or hidden is None or hidden % 128:
+        return False
+    if dtype not in ("bfloat16", "float16"):
         return False
     from leverlab.layers import cpu_kernels
 

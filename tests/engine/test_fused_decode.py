@@ -87,8 +87,8 @@ def test_engine_tokens_identical_with_and_without_fused_path(checkpoint_factory,
 
 
 def test_int4_model_with_an_int6_head_decodes_through_the_fused_step(checkpoint_factory, monkeypatch):
-    """An int4 model of whole-quad width takes the int6 head by default where that kernel streams: the fused step
-    runs it (kind 4), and greedy decoding in float32 gives the module path's tokens, blocks all freed."""
+    """An int4 model of whole-quad width with an int6 head (the default in bf16 where that kernel streams): the
+    fused step runs it (kind 4), and greedy decoding in float32 gives the module path's tokens, blocks all freed."""
     path = checkpoint_factory("qwen3", hidden_size=128, intermediate_size=256)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm = LLM(path, dtype="float32", quantization="int4", lm_head_quantization="int6")
@@ -103,6 +103,9 @@ def test_int4_model_with_an_int6_head_decodes_through_the_fused_step(checkpoint_
     assert plain.engine.runner.fused is None
     ref = plain.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    # By default (auto) in bf16: int6 where its kernel streams, int8 elsewhere.
+    head = load_model(path, "bfloat16", quantization="int4").lm_head
+    assert head.quant_method.name == ("int6" if cpu_kernels.kernels().has_fast_int6() else "int8")
 
 
 def test_fused_path_declines_what_it_does_not_run(checkpoint_factory):

@@ -258,22 +258,23 @@ def test_int6_streaming_kernel_paths_agree(k, g):
 
 
 def test_int4_models_head_is_int6_where_it_streams_fast(monkeypatch):
-    """--lm-head-quantization auto: int6 for int4 on a CPU whose int6 kernel streams (AVX-512 VNNI) and a hidden
-    size in whole 128-weight quads, else int8; int8 for int8; an explicit int6 whatever the method."""
+    """--lm-head-quantization auto: int6 for int4 in bf16/fp16 on a CPU whose int6 kernel streams (AVX-512 VNNI)
+    and a hidden size in whole 128-weight quads, else int8; int8 for int8; an explicit int6 whatever the method."""
     from leverlab.layers import cpu_kernels
     from leverlab.quant.registry import head_quant_method
 
     kern = cpu_kernels.kernels()
     fast = kern is not None and kern.has_fast_int6()
     int4, int8 = get_quant_method("int4"), get_quant_method("int8")
-    assert head_quant_method(int4, "auto", "cpu", 1024).name == ("int6" if fast else "int8")
-    assert head_quant_method(int4, "auto", "cpu", 384).name == ("int6" if fast else "int8")
-    assert head_quant_method(int4, "auto", "cpu", 64).name == "int8"  # not whole quads
-    assert head_quant_method(int4, "auto", "meta", 1024).name == "int8"  # not a CPU: no int6 kernel there
-    assert head_quant_method(int8, "auto", "cpu", 1024).name == "int8"
-    assert head_quant_method(int8, "int6", "cpu", 1024).name == "int6"
-    assert head_quant_method(None, "auto", "cpu", 1024) is None
-    assert head_quant_method(int4, "int8", "cpu", 1024).name == "int8"
+    assert head_quant_method(int4, "auto", "cpu", 1024, "bfloat16").name == ("int6" if fast else "int8")
+    assert head_quant_method(int4, "auto", "cpu", 384, "float16").name == ("int6" if fast else "int8")
+    assert head_quant_method(int4, "auto", "cpu", 1024, "float32").name == "int8"  # the plain loop only
+    assert head_quant_method(int4, "auto", "cpu", 64, "bfloat16").name == "int8"  # not whole quads
+    assert head_quant_method(int4, "auto", "meta", 1024, "bfloat16").name == "int8"  # no int6 kernel there
+    assert head_quant_method(int8, "auto", "cpu", 1024, "bfloat16").name == "int8"
+    assert head_quant_method(int8, "int6", "cpu", 1024, "float32").name == "int6"
+    assert head_quant_method(None, "auto", "cpu", 1024, "bfloat16") is None
+    assert head_quant_method(int4, "int8", "cpu", 1024, "bfloat16").name == "int8"
 
 
 @pytest.mark.parametrize("k", [256, 352, 384, 608, 1024])

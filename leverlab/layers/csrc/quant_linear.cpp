@@ -398,12 +398,12 @@ inline void scale_chunk16(const at::Half* sr, int64_t G, int64_t c, const at::Ha
 
 // int6 (quant/int6.py): a weight is 6 bits, q in 0..63; a row is 96 bytes per quad: its low 4 bits in int4's
 // layout (64 bytes), then a plane of their high 2 bits (32 bytes). One stream: with the plane at the row's end
-// instead (two runs per row), the hardware prefetcher alone read the 0.6B shape's head at half the rate. Byte t of
-// a quad's plane
-// holds the high bits of the quad's lanes t and 32 + t of the low-nibble vector (bits 0-1, 2-3) and of the
-// high-nibble vector (bits 4-5, 6-7), so that one 256-bit load broadcast to both halves and one variable shift
-// per 16-bit lane (4 or 2 left, 0 or 2 right) put every lane's two bits at bits 4-5 of its byte. vpdpbusd's
-// products stay small: 4 * 63 * 127 per lane.
+// instead (two runs per row), the hardware prefetcher alone read the 0.6B shape's head at half the rate. Byte t
+// of a quad's plane holds the high bits of the quad's lanes t and 32 + t of the low-nibble vector (bits 0-1,
+// 2-3) and of the high-nibble vector (bits 4-5, 6-7): the plane, loaded once and broadcast to both 256-bit
+// halves, gives every lane's two bits at bits 4-5 of its byte by one vpmultishiftqb per vector (AVX-512 VBMI;
+// else a variable shift per 16-bit lane), and one vpternlog merges them in. vpdpbusd's products stay small:
+// 4 * 63 * 127 per lane.
 __attribute__((always_inline)) inline void add_high2(const uint8_t* plane, __m512i& lo, __m512i& hi) {
   const __m512i u = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane)));
   const __m512i bits45 = _mm512_set1_epi8(0x30);
