@@ -157,10 +157,11 @@ def test_int8_kernel_matches_dequantized_weight():
             assert (got16 - (expected - b)).abs().max() < 0.02 * expected.abs().max()
 
 
-def quantize_blocks_q8(x: torch.Tensor) -> torch.Tensor:
-    """What the kernels' integer path multiplies: x [M, K] quantized per 32-element block to int8 (scale
-    max|x| / 127, round half to even), dequantized back to float32."""
-    xb = x.float().reshape(x.shape[0], -1, 32)
+def quantize_blocks_q8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """What the kernels' integer path multiplies: x [M, K] quantized per `block` elements to int8 (scale
+    max|x| / 127, round half to even), dequantized back to float32. int8 and int4 with groups of 32 quantize x per
+    32 (llama.cpp's q8_0), int4 and int6 with groups of 64 or more per 64."""
+    xb = x.float().reshape(x.shape[0], -1, block)
     amax = xb.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     return (torch.round(xb * inv) * (amax / 127.0)).reshape(x.shape)
@@ -169,7 +170,8 @@ def quantize_blocks_q8(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
 def test_quantized_kernels_integer_path_is_the_block_quantized_product(dtype):
     """bf16/fp16 activations: the int8 (quantize_x) and int4 kernels compute exactly the dequantized weight times
-    the per-32-block quantized activations (llama.cpp's q8_0 arithmetic), up to float summation order and the
+    the per-32-block quantized activations (llama.cpp's q8_0 arithmetic; int4 with groups of 64 or more per
+    64-block), up to float summation order and the
     output's rounding, for every row count they stream (one row; 2..16 in tiles of 2 weight rows x up to 4), with
     odd block counts (int4 takes blocks in pairs, or fours with AVX-512: 1056, 1088 and 1120 leave 1, 2 and 3
     over), group counts that fill no whole vector of 8 or 16 (and, in AVX-512's single stream, whole chunks of 16
@@ -192,7 +194,7 @@ def test_quantized_kernels_integer_path_is_the_block_quantized_product(dtype):
             for g in (g for g in (32, 64, 128, 256) if k % g == 0):
                 q, sc, z = quantize_int4(torch.randn(n, k), g)
                 packed, ss = pack_int4_streaming(q, sc, z, g)
-                expected = xq @ dequantize_streaming(packed, ss).t() + b
+                expected = (xq if g == 32 else quantize_blocks_q8(x, 64)) @ dequantize_streaming(packed, ss).t() + b
                 got = kern.int4_linear(x, packed, ss, g, b).float()
                 assert (got - expected).abs().max() <= 2 ** -7 * expected.abs().max(), (m, n, k, g)
 
