@@ -31,9 +31,9 @@ CHECKPOINT_ONLY = ("awq", "gptq")
 # --lm-head-quantization values. The tied head of a small model is a large share of a step's bytes (a fifth of the
 # bundled model, a quarter of Qwen3-0.6B), and llama.cpp's Q4_0 files keep it above 4 bits: Q6_K where rows are a
 # multiple of 256 long, else Q8_0. "auto": int8 for the int8 methods; int6 for the int4 methods where the int6
-# kernel streams (a CPU with AVX-512 VNNI and a hidden size that is a multiple of 128: quant/int6.py), else int8;
-# the model dtype otherwise (fp8; AWQ/GPTQ checkpoints, whose own heads vLLM keeps as they are). "none": the model
-# dtype; "int8", "int6": that whatever the method; "same": the method's own kernel (int4+head).
+# kernel streams (bf16/fp16 on a CPU with AVX-512 VNNI, a hidden size that is a multiple of 128: quant/int6.py),
+# else int8; the model dtype otherwise (fp8; AWQ/GPTQ checkpoints, whose own heads vLLM keeps as they are).
+# "none": the model dtype; "int8", "int6": that whatever the method; "same": the method's own kernel (int4+head).
 LM_HEAD_QUANTIZATION = ("auto", "none", "int8", "int6", "same")
 
 # --kv-cache-dtype values; "auto" keeps the model dtype. fp8 is e4m3 (vLLM's "fp8" means the same).
@@ -55,7 +55,8 @@ def check_lm_head_quantization(name: str) -> str:
     return name
 
 
-def head_quant_method(method, choice: str = "auto", device=None, hidden: int | None = None, dtype: str | None = None):
+def head_quant_method(method, choice: str = "auto", device=None, hidden: int | None = None,
+                      dtype: str | None = None):
     """The method for the output head, given the model's method and --lm-head-quantization (None: model dtype).
     device, hidden, dtype: where the model loads, its hidden size (the head's rows) and dtype, for auto's int6."""
     choice = check_lm_head_quantization(choice)
