@@ -28,16 +28,22 @@ from leverlab.quant.int8 import STREAMING_MAX_ROWS, streaming_kernels
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
-def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [out, in] -> q uint8 [out, in] (0..15), scales float32 [out, in/g], zeros uint8 [out, in/g].
+def quantize_groups(w: torch.Tensor, group_size: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [out, in] -> q uint8 [out, in] (0 .. 2^bits - 1), scales float32 [out, in/g], zeros uint8 [out, in/g].
     Asymmetric min/max round-to-nearest with integer zero points (AutoAWQ's RTN, without its scale search)."""
+    top = float(2**bits - 1)
     out, k = w.shape
     g = w.float().reshape(out, k // group_size, group_size)
     wmax, wmin = g.amax(dim=-1), g.amin(dim=-1)
-    scales = ((wmax - wmin) / 15.0).clamp(min=1e-8)
-    zeros = torch.round(-wmin / scales).clamp(0, 15)
-    q = (torch.round(g / scales[..., None]) + zeros[..., None]).clamp(0, 15)
+    scales = ((wmax - wmin) / top).clamp(min=1e-8)
+    zeros = torch.round(-wmin / scales).clamp(0, top)
+    q = (torch.round(g / scales[..., None]) + zeros[..., None]).clamp(0, top)
     return q.reshape(out, k).to(torch.uint8), scales, zeros.to(torch.uint8)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_groups at 4 bits: q and z in 0..15."""
+    return quantize_groups(w, group_size, 4)
 
 
 def pack_int4_streaming(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

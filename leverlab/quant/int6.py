@@ -20,22 +20,15 @@ import torch
 from leverlab.errors import UnsupportedLever
 from leverlab.quant import int8_gemm
 from leverlab.quant.base import QuantMethod, flatten, set_param
-from leverlab.quant.int4 import INT4_GROUP_SIZES, pack_int4_streaming
+from leverlab.quant.int4 import INT4_GROUP_SIZES, pack_int4_streaming, quantize_groups
 from leverlab.quant.int8 import STREAMING_MAX_ROWS, quantize_int8, streaming_kernels, use_int8_gemm
 
 QUAD = 128  # weights per quad: the kernel's step, and the high-bit plane's unit (32 bytes)
 
 
 def quantize_int6(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [out, in] -> q uint8 [out, in] (0..63), scales float32 [out, in/g], zeros uint8 [out, in/g]: min/max
-    round-to-nearest with integer zero points, as quantize_int4 with 64 levels."""
-    out, k = w.shape
-    g = w.float().reshape(out, k // group_size, group_size)
-    wmax, wmin = g.amax(dim=-1), g.amin(dim=-1)
-    scales = ((wmax - wmin) / 63.0).clamp(min=1e-8)
-    zeros = torch.round(-wmin / scales).clamp(0, 63)
-    q = (torch.round(g / scales[..., None]) + zeros[..., None]).clamp(0, 63)
-    return q.reshape(out, k).to(torch.uint8), scales, zeros.to(torch.uint8)
+    """quantize_groups at 6 bits: q and z in 0..63."""
+    return quantize_groups(w, group_size, 6)
 
 
 def pack_int6_streaming(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

@@ -438,10 +438,11 @@ __attribute__((always_inline)) inline void add_high2(const uint8_t* plane, __m51
 #endif
 }
 
-// One quad (blocks 4q .. 4q + 3) of a weight row against x's quad (xlo, xhi: x.q4 + 128 q, + 64): the integer dot
-// products, block b's in lanes 4b .. 4b + 3. SIX: an int6 row (96 bytes a quad).
+// Quad q of a weight row (blocks 4q .. 4q + 3), prefetched ahead and unpacked: lo holds each block's weights
+// 0..15 (one 128-bit lane per block), hi its weights 16..31, as x's quad order has them. SIX: an int6 row (96
+// bytes a quad), else int4 (64).
 template <bool SIX>
-__attribute__((always_inline)) inline __m512i u4_quad_dot(const uint8_t* wr, int64_t q, __m512i xlo, __m512i xhi) {
+__attribute__((always_inline)) inline void u4_quad_unpack(const uint8_t* wr, int64_t q, __m512i& lo, __m512i& hi) {
   const __m512i nib = _mm512_set1_epi8(0x0F);
   const uint8_t* wq = wr + q * (SIX ? 96 : 64);
   if constexpr (SIX) {  // a quad is a line and a half: two prefetches
@@ -451,8 +452,17 @@ __attribute__((always_inline)) inline __m512i u4_quad_dot(const uint8_t* wr, int
     prefetch_stream<kStreamInt4>(wq);
   }
   const __m512i v = _mm512_loadu_si512(wq);
-  __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+  lo = _mm512_and_si512(v, nib);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
   if constexpr (SIX) add_high2(wq + 64, lo, hi);
+}
+
+// Quad q of a weight row against x's quad (xlo, xhi: x.q4 + 128 q, + 64): the integer dot products, block b's in
+// lanes 4b .. 4b + 3.
+template <bool SIX>
+__attribute__((always_inline)) inline __m512i u4_quad_dot(const uint8_t* wr, int64_t q, __m512i xlo, __m512i xhi) {
+  __m512i lo, hi;
+  u4_quad_unpack<SIX>(wr, q, lo, hi);
   return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
 }
 
@@ -768,7 +778,6 @@ inline void u4_tile_512(const uint8_t* w, int64_t K, const float* wsb, const Qua
   __m512 acc[NW][MG];
   for (int i = 0; i < NW; ++i)
     for (int m = 0; m < MG; ++m) acc[i][m] = _mm512_setzero_ps();
-  const __m512i nib = _mm512_set1_epi8(0x0F);
   const __m512i lane4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const int64_t B = x.B, Q = B / 4;
   for (int64_t q = 0; q < Q; ++q) {
@@ -776,17 +785,7 @@ inline void u4_tile_512(const uint8_t* w, int64_t K, const float* wsb, const Qua
     __m512 ws[NW];
 #pragma GCC unroll 4
     for (int i = 0; i < NW; ++i) {
-      const uint8_t* wq = w + i * rb + q * (SIX ? 96 : 64);
-      if constexpr (SIX) {
-        prefetch_stream<kStreamInt6>(wq);
-        prefetch_stream<kStreamInt6>(wq + 64);
-      } else {
-        prefetch_stream<kStreamInt4>(wq);
-      }
-      const __m512i v = _mm512_loadu_si512(wq);
-      lo[i] = _mm512_and_si512(v, nib);
-      hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-      if constexpr (SIX) add_high2(wq + 64, lo[i], hi[i]);
+      u4_quad_unpack<SIX>(w + i * rb, q, lo[i], hi[i]);
       ws[i] = _mm512_permutexvar_ps(lane4, _mm512_castps128_ps512(_mm_loadu_ps(wsb + i * B + 4 * q)));
     }
 #pragma GCC unroll 4
@@ -1169,6 +1168,14 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
 }
 #endif
 
+// The group size and the [N, 2, K / group] fp16 scales and zero points that int4_linear and int6_linear take.
+void check_group_scales(const char* op, int64_t N, int64_t K, int64_t group, const at::Tensor& scales) {
+  TORCH_CHECK(group % 32 == 0 && K % group == 0, op, ": the group size is a multiple of 32 dividing K");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == N && scales.size(1) == 2 && scales.size(2) == K / group,
+              op, ": fp16 scales and zero points [N, 2, K / group]");
+}
+
 template <typename T>
 constexpr bool kHalfWidth = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
 
@@ -1214,10 +1221,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) == 2 * packed.size(1), "int4_linear: x [M, K], w [N, K/2]");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "int4_linear: contiguous uint8 weight");
   const int64_t M = x.size(0), N = packed.size(0), K = x.size(1);
-  TORCH_CHECK(group % 32 == 0 && K % group == 0, "int4_linear: the group size is a multiple of 32 dividing K");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
-                  scales.size(0) == N && scales.size(1) == 2 && scales.size(2) == K / group,
-              "int4_linear: fp16 scales and zero points [N, 2, K / group]");
+  check_group_scales("int4_linear", N, K, group, scales);
   at::Tensor b32;
   const float* bp = bias_f32(bias, b32);
   if (M > quant_max_rows() || x.stride(1) != 1) {
@@ -1317,10 +1321,7 @@ at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::
               "int6_linear: x [M, K], w [N, 3K/4], K a multiple of 128");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "int6_linear: contiguous uint8 weight");
   const int64_t M = x.size(0), N = packed.size(0), K = x.size(1);
-  TORCH_CHECK(group % 32 == 0 && K % group == 0, "int6_linear: the group size is a multiple of 32 dividing K");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
-                  scales.size(0) == N && scales.size(1) == 2 && scales.size(2) == K / group,
-              "int6_linear: fp16 scales and zero points [N, 2, K / group]");
+  check_group_scales("int6_linear", N, K, group, scales);
   at::Tensor b32;
   const float* bp = bias_f32(bias, b32);
   const uint8_t* w = packed.data_ptr<uint8_t>();
