@@ -17,7 +17,10 @@ and detokenization, the servers' figures include everything on both sides. Each 
 process of its own (see `Ours`). Read the ratios, measured in this run; the machine is shared and the absolute
 figures drift. The table also gives each decode rate's share of its engine's bandwidth roofline at the better of
 the start's and the end's read bandwidth, and a second list the share at the bandwidth measured just before each
-precision's block in the same round (where the machine's bandwidth moves within a run); raw figures and settings
+precision's block in the same round (where the machine's bandwidth moves within a run). A step's bytes are its
+weights and the KV cache its attention reads at the decode span's mean context (--prompt-len + --decode-len / 2;
+bf16 here, as llama.cpp's default f16 cache: the same bytes), so the roofline stays honest at long contexts,
+where the cache outweighs an int4 model's weights; the weights-only shares are kept in the JSON. Raw figures and settings
 go to results/bench_peer-<time>.json. llama.cpp is built once into the cache
 (leverlab/bench/peer_llamacpp.py says how and why).
 
@@ -301,6 +304,8 @@ def parse_args() -> argparse.Namespace:
     if unknown:
         ap.error(f"unknown precision(s) {unknown}; known: {list(peer.GGUF_TYPES)}")
     args.model = str(Path(args.model).resolve())
+    args.kv_bytes_per_token = kv_bytes_per_token(args.model)
+    args.with_kv = True  # roofline_share's bytes: weights + KV cache (False: weights only, kept in the JSON too)
     return args
 
 
@@ -349,6 +354,7 @@ def main() -> int:
     # pessimistic measurement.
     bw_end = measure_bandwidth(args.threads)
     result.update(bandwidth_gb_s=bw, bandwidth_end_gb_s=bw_end, weight_bytes_per_step=weight_bytes, best=best)
+    result["roofline_shares"] = shares_both_ways(best, weight_bytes, max(bw, bw_end), args)
     print_table(best, weight_bytes, max(bw, bw_end), args)
     print_block_shares(result["rounds"], weight_bytes, args)
     print_notes(result["rounds"], weight_bytes, args)
@@ -405,13 +411,47 @@ def run_rounds(args, ours: dict, bins: dict, ggufs: dict, rounds: list, work: Pa
     return best
 
 
+def kv_bytes_per_token(model: str) -> int:
+    """K and V of one token over all layers in a 16-bit cache (ours bf16, llama.cpp's default f16)."""
+    from leverlab.models.config import ModelConfig
+
+    c = ModelConfig.from_folder(model)
+    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
+
+
+def decode_context(args) -> float:
+    """The mean context a decode step attends over: the prompt, then half the decode span."""
+    return args.prompt_len + args.decode_len / 2
+
+
+def step_bytes(weight_bytes: int, batch: int, args) -> float:
+    """What one decode step of `batch` sequences reads: the weights once, every sequence's KV cache."""
+    return weight_bytes + batch * decode_context(args) * (args.kv_bytes_per_token if args.with_kv else 0)
+
+
 def roofline_share(tok_s: float | None, weight_bytes: int | None, batch, bw: float | None, args) -> float | None:
-    """tok_s as a share of the bandwidth roofline: bw over the bytes one step reads of the engine's own weights,
-    one step yielding `batch` tokens (MEASUREMENTS' second field). None where there is no roofline or no figure."""
+    """tok_s as a share of the bandwidth roofline: bw over the bytes one step reads (step_bytes: the engine's own
+    weights and the KV cache), one step yielding `batch` tokens (MEASUREMENTS' second field). None where there is
+    no roofline or no figure."""
     n = args.batch if batch == "batch" else batch
     if not (tok_s and weight_bytes and n and bw):
         return None
-    return tok_s * weight_bytes / n / (bw * 1e9)
+    return tok_s * step_bytes(weight_bytes, n, args) / n / (bw * 1e9)
+
+
+def shares_both_ways(best: dict, weight_bytes: dict, bw: float, args) -> dict:
+    """{precision: {measurement: {engine: {"with_kv": share, "weights_only": share}}}} at bandwidth bw."""
+    out: dict = {}
+    for p in args.precisions:
+        for key, (_, batch) in MEASUREMENTS.items():
+            for eng, v in best.get(p, {}).get(key, {}).items():
+                both = {}
+                for name, with_kv in (("with_kv", True), ("weights_only", False)):
+                    both[name] = roofline_share(v, weight_bytes[p][eng], batch, bw,
+                                                argparse.Namespace(**{**vars(args), "with_kv": with_kv}))
+                if any(x is not None for x in both.values()):
+                    out.setdefault(p, {}).setdefault(key, {})[eng] = both
+    return out
 
 
 def print_block_shares(rounds: list, weight_bytes: dict, args) -> None:
@@ -463,8 +503,9 @@ def l3_bytes() -> int | None:
 def print_table(best: dict, weight_bytes: dict, bw: float, args) -> None:
     """Best round of each engine, the ratio, and each decode rate's share of that engine's roofline: bandwidth
     over the bytes one step reads of its own weights (one step yields `batch` tokens)."""
-    print(f"\nbest of {args.rounds} round(s), {args.threads} thread(s); roofline at {bw:.1f} GB/s "
-          f"(weights only)")
+    kv_mb = args.kv_bytes_per_token * decode_context(args) / 1e6
+    print(f"\nbest of {args.rounds} round(s), {args.threads} thread(s); roofline at {bw:.1f} GB/s over the weights "
+          f"and the KV cache ({kv_mb:.1f} MB a sequence at the mean context of {decode_context(args):.0f} tokens)")
     print("| precision | measurement | LeverLab tok/s | llama.cpp tok/s | LeverLab / llama.cpp | "
           "LeverLab % roofline | llama.cpp % roofline |")
     print("|---|---|---|---|---|---|---|")
@@ -483,7 +524,8 @@ def print_table(best: dict, weight_bytes: dict, bw: float, args) -> None:
             print(f"| {name} | {label.format(batch=args.batch)} | " + " | ".join(cells) + " |")
     for p in args.precisions:
         mb = {e: f"{w / 1e6:.1f} MB" if w else "?" for e, w in weight_bytes[p].items()}
-        print(f"  {p}: weights read per step: LeverLab {mb[OURS]}, llama.cpp {mb[THEIRS]}")
+        print(f"  {p}: weights read per step: LeverLab {mb[OURS]}, llama.cpp {mb[THEIRS]}; "
+              f"KV cache {kv_mb:.1f} MB a sequence")
 
 
 if __name__ == "__main__":

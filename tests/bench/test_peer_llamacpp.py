@@ -40,3 +40,33 @@ def test_missing_cmake_says_how_to_get_it(monkeypatch):
     monkeypatch.setattr(peer.shutil, "which", lambda *a, **k: None)
     with pytest.raises(peer.PeerError, match="pip install cmake"):
         peer._cmake()
+
+
+def test_peer_roofline_counts_the_kv_cache_a_step_reads(monkeypatch):
+    """bench_peer's roofline: a decode step reads the weights once and every sequence's K and V at the decode
+    span's mean context (16-bit cache, both engines), so long contexts do not read as a low share of the weights."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    from leverlab.models.config import ModelConfig
+
+    scripts = Path(__file__).resolve().parents[2] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))
+    bench_peer = importlib.import_module("bench_peer")
+    model = default_model_path()
+    monkeypatch.setattr(sys, "argv", ["bench_peer", "--model", str(model), "--prompt-len", "1000",
+                                      "--decode-len", "64", "--batch", "4", "--precisions", "int4"])
+    args = bench_peer.parse_args()
+    c = ModelConfig.from_folder(model)
+    per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
+    assert args.kv_bytes_per_token == per_token
+    assert bench_peer.step_bytes(10**8, 4, args) == 10**8 + 4 * 1032 * per_token
+    best = {"int4": {"decode": {"leverlab": 50.0}, "decode16": {"leverlab": 120.0}, "prefill": {"leverlab": 900.0}}}
+    shares = bench_peer.shares_both_ways(best, {"int4": {"leverlab": 10**8, "llamacpp": None}}, 40.0, args)
+    one = shares["int4"]["decode"]["leverlab"]
+    assert one["weights_only"] == pytest.approx(50.0 * 10**8 / 40e9)
+    assert one["with_kv"] == pytest.approx(50.0 * (10**8 + 1032 * per_token) / 40e9)
+    four = shares["int4"]["decode16"]["leverlab"]
+    assert four["with_kv"] == pytest.approx(120.0 / 4 * (10**8 + 4 * 1032 * per_token) / 40e9)
+    assert "prefill" not in shares["int4"]  # no roofline for prompt processing
