@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <cstdint>
 #include <type_traits>
 #include <vector>
 
@@ -45,10 +46,15 @@ int64_t quant_max_rows() { return 16; }
 namespace {
 
 // Per-thread scratch for the widened or quantized activations: no allocation per call on the decode path.
+// 64-byte aligned (a vector's data is only 16-byte aligned), so that the kernels' 512-bit loads of x never
+// straddle two cache lines: in a standalone harness the int4 single stream ran ~15% faster hot with its
+// activations aligned than 16 bytes off (session 21).
 template <typename E>
 E* scratch(std::vector<E>& v, size_t n) {
-  if (v.size() < n) v.resize(n);
-  return v.data();
+  constexpr size_t kPad = 64 / sizeof(E);
+  if (v.size() < n + kPad) v.resize(n + kPad);
+  const auto addr = reinterpret_cast<uintptr_t>(v.data());
+  return v.data() + ((64 - addr % 64) % 64) / sizeof(E);
 }
 
 #if LEVERLAB_QUANT_AVX2
