@@ -19,9 +19,9 @@ figures drift. The table also gives each decode rate's share of its engine's ban
 the start's and the end's read bandwidth, and a second list the share at the bandwidth measured just before each
 precision's block in the same round (where the machine's bandwidth moves within a run). A step's bytes are its
 weights and the KV cache its attention reads at the decode span's mean context (--prompt-len + --decode-len / 2;
-bf16 here, as llama.cpp's default f16 cache: the same bytes), so the roofline stays honest at long contexts,
-where the cache outweighs an int4 model's weights; the weights-only shares are kept in the JSON. Raw figures and settings
-go to results/bench_peer-<time>.json. llama.cpp is built once into the cache
+bf16 here, as llama.cpp's default f16 cache: the same bytes), so the roofline stays honest at long contexts, where
+the cache can outweigh an int4 model's weights; the weights-only shares are kept in the JSON. Raw figures and
+settings go to results/bench_peer-<time>.json. llama.cpp is built once into the cache
 (leverlab/bench/peer_llamacpp.py says how and why).
 
     python scripts/bench_peer.py [--model DIR] [--precisions bf16,int8,int4] [--rounds 3] [--threads 1]
@@ -305,7 +305,6 @@ def parse_args() -> argparse.Namespace:
         ap.error(f"unknown precision(s) {unknown}; known: {list(peer.GGUF_TYPES)}")
     args.model = str(Path(args.model).resolve())
     args.kv_bytes_per_token = kv_bytes_per_token(args.model)
-    args.with_kv = True  # roofline_share's bytes: weights + KV cache (False: weights only, kept in the JSON too)
     return args
 
 
@@ -424,19 +423,20 @@ def decode_context(args) -> float:
     return args.prompt_len + args.decode_len / 2
 
 
-def step_bytes(weight_bytes: int, batch: int, args) -> float:
-    """What one decode step of `batch` sequences reads: the weights once, every sequence's KV cache."""
-    return weight_bytes + batch * decode_context(args) * (args.kv_bytes_per_token if args.with_kv else 0)
+def step_bytes(weight_bytes: int, batch: int, args, with_kv: bool = True) -> float:
+    """What one decode step of `batch` sequences reads: the weights once, and (with_kv) every sequence's KV cache."""
+    return weight_bytes + (batch * decode_context(args) * args.kv_bytes_per_token if with_kv else 0)
 
 
-def roofline_share(tok_s: float | None, weight_bytes: int | None, batch, bw: float | None, args) -> float | None:
+def roofline_share(tok_s: float | None, weight_bytes: int | None, batch, bw: float | None, args,
+                   with_kv: bool = True) -> float | None:
     """tok_s as a share of the bandwidth roofline: bw over the bytes one step reads (step_bytes: the engine's own
-    weights and the KV cache), one step yielding `batch` tokens (MEASUREMENTS' second field). None where there is
-    no roofline or no figure."""
+    weights and, with_kv, the KV cache), one step yielding `batch` tokens (MEASUREMENTS' second field). None where
+    there is no roofline or no figure."""
     n = args.batch if batch == "batch" else batch
     if not (tok_s and weight_bytes and n and bw):
         return None
-    return tok_s * step_bytes(weight_bytes, n, args) / n / (bw * 1e9)
+    return tok_s * step_bytes(weight_bytes, n, args, with_kv) / n / (bw * 1e9)
 
 
 def shares_both_ways(best: dict, weight_bytes: dict, bw: float, args) -> dict:
@@ -445,10 +445,8 @@ def shares_both_ways(best: dict, weight_bytes: dict, bw: float, args) -> dict:
     for p in args.precisions:
         for key, (_, batch) in MEASUREMENTS.items():
             for eng, v in best.get(p, {}).get(key, {}).items():
-                both = {}
-                for name, with_kv in (("with_kv", True), ("weights_only", False)):
-                    both[name] = roofline_share(v, weight_bytes[p][eng], batch, bw,
-                                                argparse.Namespace(**{**vars(args), "with_kv": with_kv}))
+                both = {name: roofline_share(v, weight_bytes[p][eng], batch, bw, args, with_kv)
+                        for name, with_kv in (("with_kv", True), ("weights_only", False))}
                 if any(x is not None for x in both.values()):
                     out.setdefault(p, {}).setdefault(key, {})[eng] = both
     return out
@@ -502,7 +500,7 @@ def l3_bytes() -> int | None:
 
 def print_table(best: dict, weight_bytes: dict, bw: float, args) -> None:
     """Best round of each engine, the ratio, and each decode rate's share of that engine's roofline: bandwidth
-    over the bytes one step reads of its own weights (one step yields `batch` tokens)."""
+    over the bytes one step reads, its own weights and the KV cache (one step yields `batch` tokens)."""
     kv_mb = args.kv_bytes_per_token * decode_context(args) / 1e6
     print(f"\nbest of {args.rounds} round(s), {args.threads} thread(s); roofline at {bw:.1f} GB/s over the weights "
           f"and the KV cache ({kv_mb:.1f} MB a sequence at the mean context of {decode_context(args):.0f} tokens)")

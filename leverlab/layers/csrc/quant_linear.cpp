@@ -47,8 +47,8 @@ namespace {
 
 // Per-thread scratch for the widened or quantized activations: no allocation per call on the decode path.
 // 64-byte aligned (a vector's data is only 16-byte aligned), so that the kernels' 512-bit loads of x never
-// straddle two cache lines: in a standalone harness the int4 single stream ran ~15% faster hot with its
-// activations aligned than 16 bytes off (session 21).
+// straddle two cache lines: in a standalone harness (hot, one process) the int4 single stream ran ~1.2x slower
+// with x 16 or 48 bytes past a line than at 0 or 32, and a vector drew its offset once per process (session 21).
 template <typename E>
 E* scratch(std::vector<E>& v, size_t n) {
   constexpr size_t kPad = 64 / sizeof(E);
