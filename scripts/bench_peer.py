@@ -25,7 +25,8 @@ settings go to results/bench_peer-<time>.json. llama.cpp is built once into the 
 (leverlab/bench/peer_llamacpp.py says how and why).
 
     python scripts/bench_peer.py [--model DIR] [--precisions bf16,int8,int4] [--rounds 3] [--threads 1]
-                                 [--no-servers] [--llamacpp-dir DIR]
+                                 [--measurements decode,prefill,decode16] [--prompt-len 128] [--no-servers]
+                                 [--llamacpp-dir DIR]
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ MEASUREMENTS = {
     "server_c1": ("server decode, c=1", 1),
     "server_c16": ("server output, c={batch}", None),
 }
+IN_PROCESS = ("decode", "prefill", "decode16")  # the measurements outside the servers, in the order run
 OURS, THEIRS = "leverlab", "llamacpp"
 
 
@@ -96,7 +98,8 @@ class OursEngine:
                        max_model_len=max(args.prompt_len, args.prefill_len) + args.decode_len + 16,
                        enable_prefix_caching=False)
         self.params = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        self.llm.generate([[7] * args.prompt_len] * args.batch, self.params(4))  # compile / warm every shape
+        rows = args.batch if "decode16" in args.measurements else 1  # a long prompt x 16 is a long warm-up
+        self.llm.generate([[7] * args.prompt_len] * rows, self.params(4))  # compile / warm every shape
         self.llm.generate([[7] * args.prefill_len], self.params(4))
         self.setup_s = time.perf_counter() - t0
         self.mode = self.llm.engine.config.execution_mode
@@ -148,7 +151,7 @@ class Ours:
         ctx = mp.get_context("spawn")  # fork after torch has started threads is unsafe
         self.conn, child = ctx.Pipe()
         cfg = {k: getattr(args, k) for k in ("threads", "execution_mode", "batch", "prefill_len", "prompt_len",
-                                              "decode_len")}
+                                              "decode_len", "measurements")}
         self.proc = ctx.Process(target=_ours_worker, args=(child, model, precision, cfg), daemon=True)
         self.proc.start()
         child.close()
@@ -279,6 +282,8 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(default_model_path()))
     ap.add_argument("--precisions", default="bf16,int8,int4", help=f"of {','.join(peer.GGUF_TYPES)}")
+    ap.add_argument("--measurements", default=",".join(IN_PROCESS),
+                    help=f"of {','.join(IN_PROCESS)} (a long --prompt-len makes decode16's batched prefill slow)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each counts")
     ap.add_argument("--threads", type=int, default=1, help="threads of every engine")
     ap.add_argument("--prompt-len", type=int, default=128, help="context before decode (llama-bench -d)")
@@ -300,6 +305,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="JSON (default results/bench_peer-<UTC time>.json)")
     args = ap.parse_args()
     args.precisions = [p for p in args.precisions.split(",") if p]
+    args.measurements = [m for m in args.measurements.split(",") if m]
+    bad = [m for m in args.measurements if m not in IN_PROCESS]
+    if bad or not args.measurements:
+        ap.error(f"unknown or no measurement(s) {bad}; known: {list(IN_PROCESS)}")
     unknown = [p for p in args.precisions if p not in peer.GGUF_TYPES]
     if unknown:
         ap.error(f"unknown precision(s) {unknown}; known: {list(peer.GGUF_TYPES)}")
@@ -380,7 +389,7 @@ def run_rounds(args, ours: dict, bins: dict, ggufs: dict, rounds: list, work: Pa
             bw = measure_bandwidth(args.threads, gib=0.5, reps=3)
             rounds.append({"round": rnd, "precision": p, "measurement": "bandwidth", "gb_s": bw})
             print(f"  round {rnd} {p:5s} {'read bandwidth':22s} {'':9s} {bw:.1f} GB/s", flush=True)
-            for key in ("decode", "prefill", "decode16"):
+            for key in args.measurements:
                 for eng in order:
                     raw = None
                     if eng == OURS:
@@ -510,7 +519,8 @@ def print_table(best: dict, weight_bytes: dict, bw: float, args) -> None:
     for p in args.precisions:
         for key, (label, batch) in MEASUREMENTS.items():
             b = best.get(p, {}).get(key, {})
-            if not b and key.startswith("server") and not args.servers:
+            if not b and (key.startswith("server") and not args.servers
+                          or key in IN_PROCESS and key not in args.measurements):
                 continue
             a, t = b.get(OURS), b.get(THEIRS)
             cells = [f"{a:.1f}" if a else "missing", f"{t:.1f}" if t else "missing",

@@ -70,3 +70,7 @@ def test_peer_roofline_counts_the_kv_cache_a_step_reads(monkeypatch):
     four = shares["int4"]["decode16"]["leverlab"]
     assert four["with_kv"] == pytest.approx(120.0 / 4 * (10**8 + 4 * 1032 * per_token) / 40e9)
     assert "prefill" not in shares["int4"]  # no roofline for prompt processing
+    assert args.measurements == ["decode", "prefill", "decode16"]
+    monkeypatch.setattr(sys, "argv", ["bench_peer", "--model", str(model), "--measurements", "decode,prefil"])
+    with pytest.raises(SystemExit):  # argparse's error: names the unknown one and the known ones
+        bench_peer.parse_args()
