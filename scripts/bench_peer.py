@@ -63,7 +63,7 @@ MEASUREMENTS = {
     "server_c1": ("server decode, c=1", 1),
     "server_c16": ("server output, c={batch}", None),
 }
-IN_PROCESS = ("decode", "prefill", "decode16")  # the measurements outside the servers, in the order run
+IN_PROCESS = tuple(k for k in MEASUREMENTS if not k.startswith("server"))  # measured without the servers
 OURS, THEIRS = "leverlab", "llamacpp"
 
 

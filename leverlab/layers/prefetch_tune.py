@@ -16,10 +16,10 @@ The bf16 kernel follows the mode up to 4 activation rows (until session 17 it al
 more rows are compute-bound and keep their own T0 prefetch (csrc/skinny_linear.cpp says why).
 Each kernel family (bf16, int8, int4, int6) has its own mode, since one model can stream through two: an int4
 model's head was int8 (int6 since session 20), and on that Zen 4 (session 18) its int4 body streamed fastest with
-nta, its int8 head without a prefetch. So the loader times passes over each family's linear layers at one activation row, as a decode step reads
-them, in each mode after a settling pass in that mode, and keeps the family's fastest (nta unless another is clearly
-faster). Past MAX_BYTES of a family's weights it times its first layers up to that size: still far beyond any
-cache, and a pass stays short. LEVERLAB_STREAM_PREFETCH=off|nta|t0 sets every family's mode without measuring
+nta, its int8 head without a prefetch. So the loader times passes over each family's linear layers at one
+activation row, as a decode step reads them, in each mode after a settling pass in that mode, and keeps the
+family's fastest (nta unless another is clearly faster). Past MAX_BYTES of a family's weights it times its first
+layers up to that size: still far beyond any cache, and a pass stays short. LEVERLAB_STREAM_PREFETCH=off|nta|t0 sets every family's mode without measuring
 (LEVERLAB_NO_STREAM_PREFETCH=1: off).
 """
 

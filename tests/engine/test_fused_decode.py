@@ -171,12 +171,11 @@ def quantize_blocks_q8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 def test_quantized_kernels_integer_path_is_the_block_quantized_product(dtype):
     """bf16/fp16 activations: the int8 (quantize_x) and int4 kernels compute exactly the dequantized weight times
     the per-32-block quantized activations (llama.cpp's q8_0 arithmetic; int4 with groups of 64 or more per
-    64-block), up to float summation order and the
-    output's rounding, for every row count they stream (one row; 2..16 in tiles of 2 weight rows x up to 4), with
-    odd block counts (int4 takes blocks in pairs, or fours with AVX-512: 1056, 1088 and 1120 leave 1, 2 and 3
-    over), group counts that fill no whole vector of 8 or 16 (and, in AVX-512's single stream, whole chunks of 16
-    groups with a partial one after them, at every group size: 1536 and 2048 with g = 64, 128), and an odd row
-    count (the tiles' last single row)."""
+    64-block), up to float summation order and the output's rounding, for every row count they stream (one row;
+    2..16 in tiles of 2 weight rows x up to 4), with odd block counts (int4 takes blocks in pairs, or fours with
+    AVX-512: 1056, 1088 and 1120 leave 1, 2 and 3 over), group counts that fill no whole vector of 8 or 16 (and,
+    in AVX-512's single stream, whole chunks of 16 groups with a partial one after them, at every group size: 1536
+    and 2048 with g = 64, 128), and an odd row count (the tiles' last single row)."""
     from leverlab.quant.int4 import dequantize_streaming, pack_int4_streaming, quantize_int4
 
     kern = cpu_kernels.kernels()
