@@ -1,6 +1,6 @@
 """How the streaming kernels prefetch their weights: measured per model at load (CPU).
 
-The kernels read a decode step's weights as one stream and prefetch ahead of it in one of three ways
+The kernels read a decode step's weights as one stream and prefetch ahead of it in one of four ways
 (csrc/stream_hint.h), and which is fastest depends on the machine and on whether the model fits in its caches:
   nta  non-temporal, 1 KB ahead: keeps the stream from evicting the rest of the step's working set; 8-20% faster
        per step on a Zen 3 (sessions 5-7). The default until measured.
@@ -12,6 +12,10 @@ The kernels read a decode step's weights as one stream and prefetch ahead of it 
        fits there was read from memory again every step with nta (the bundled model, bf16, one thread: 171 tok/s
        with nta, 265-294 without; session 8). On a Zen 4 (session 17) it was the fastest for bf16 and int8 single
        streams of the 0.6B shape (1.13-1.15x and 1.24x nta's tok/s); int4 there kept nta.
+  l2   into L2 only (PREFETCHT1), 4 KB ahead: the kind that let decode attention read its cold KV cache at the
+       rate of a plain read on a Zen 4 (1.3-1.45x T0's; csrc/paged_decode.cpp, session 22). For weights there it
+       was sometimes the fastest and never by much: int4's body 9.56 ms a pass against nta's 10.86 in one load,
+       9.70 against 10.11 (off 9.98) in another timed over 8 rounds; int8 and bf16 preferred t0 and off.
 The bf16 kernel follows the mode up to 4 activation rows (until session 17 it always prefetched T0 2 KB ahead);
 more rows are compute-bound and keep their own T0 prefetch (csrc/skinny_linear.cpp says why).
 Each kernel family (bf16, int8, int4, int6) has its own mode, since one model can stream through two: an int4
@@ -19,7 +23,7 @@ model's head was int8 (int6 since session 20), and on that Zen 4 (session 18) it
 nta, its int8 head without a prefetch. So the loader times passes over each family's linear layers at one
 activation row, as a decode step reads them, in each mode after a settling pass in that mode, and keeps the
 family's fastest (nta unless another is clearly faster). Past MAX_BYTES of a family's weights it times its first
-layers up to that size: still far beyond any cache, and a pass stays short. LEVERLAB_STREAM_PREFETCH=off|nta|t0 sets every family's mode without measuring
+layers up to that size: still far beyond any cache, and a pass stays short. LEVERLAB_STREAM_PREFETCH=off|nta|t0|l2 sets every family's mode without measuring
 (LEVERLAB_NO_STREAM_PREFETCH=1: off).
 """
 
@@ -36,7 +40,7 @@ from leverlab.layers.linear import Linear
 
 log = logging.getLogger("leverlab")
 
-MODES = ("nta", "t0", "off")  # csrc/stream_hint.h
+MODES = ("nta", "t0", "off", "l2")  # csrc/stream_hint.h
 DEFAULT = "nta"
 MAX_BYTES = 1 << 30  # the layers timed: a pass over more would be long at load, and no cache keeps them anyway
 MARGIN = 0.05  # another mode must be this much faster: the default protects the rest of the step's working set

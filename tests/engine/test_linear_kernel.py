@@ -42,7 +42,7 @@ def test_every_prefetch_mode_computes_the_same():
         for rows in (1, 3, 16):
             x = torch.randn(rows, 1000, generator=g).bfloat16()
             outs = []
-            for mode in ("nta", "t0", "off"):
+            for mode in ("nta", "t0", "off", "l2"):
                 kern.set_stream_prefetch(mode)
                 outs.append(kern.skinny_linear(x, w, None))
             assert all(torch.equal(outs[0], o) for o in outs[1:])
@@ -85,7 +85,7 @@ def test_prefetch_is_measured_at_load_and_off_by_env(checkpoint_factory, monkeyp
     model = load_model(checkpoint_factory("qwen3"), "bfloat16")
     monkeypatch.setattr(prefetch_tune, "_largest_tuned", 0)
     choice = prefetch_tune.tune(model)
-    assert list(choice) == ["bf16"] and choice["bf16"] in ("nta", "t0", "off")
+    assert list(choice) == ["bf16"] and choice["bf16"] in ("nta", "t0", "off", "l2")
     assert kern.stream_prefetch() == choice["bf16"]
     # a smaller model loaded after it (a speculative draft) keeps the mode the larger one measured
     kern.set_stream_prefetch("off" if choice["bf16"] != "off" else "t0")
@@ -101,7 +101,7 @@ def test_prefetch_is_measured_at_load_and_off_by_env(checkpoint_factory, monkeyp
     monkeypatch.setenv("LEVERLAB_NO_STREAM_PREFETCH", "1")
     assert prefetch_tune.tune(model) == {"bf16": "off"} and kern.stream_prefetch() == "off"
     kern.set_stream_prefetch("nta")  # the default, for the tests that follow
-    with pytest.raises(RuntimeError, match="'off', 'nta' or 't0'"):
+    with pytest.raises(RuntimeError, match="'off', 'nta', 't0' or 'l2'"):
         kern.set_stream_prefetch("on")
     with pytest.raises(RuntimeError, match="family 'bf16', 'int8', 'int4', 'int6' or 'all'"):
         kern.set_stream_prefetch("off", "int2")
@@ -119,7 +119,7 @@ def test_each_kernel_family_has_its_own_prefetch_mode(checkpoint_factory, monkey
     monkeypatch.setattr(prefetch_tune, "_largest_tuned", 0)
     try:
         choice = prefetch_tune.tune(model)
-        assert sorted(choice) == ["int4", "int8"] and set(choice.values()) <= {"nta", "t0", "off"}
+        assert sorted(choice) == ["int4", "int8"] and set(choice.values()) <= {"nta", "t0", "off", "l2"}
         assert all(kern.stream_prefetch(f) == m for f, m in choice.items())
         kern.set_stream_prefetch("nta")
         kern.set_stream_prefetch("t0", "int8")

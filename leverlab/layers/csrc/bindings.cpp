@@ -32,10 +32,11 @@ int stream_family(const std::string& name) {  // -1: not a family
                           : -1;
 }
 int prefetch_kind(const std::string& name) {  // -1: not a kind
-  return name == "off" ? kPrefetchOff : name == "nta" ? kPrefetchNonTemporal : name == "t0" ? kPrefetchAhead : -1;
+  return name == "off" ? kPrefetchOff : name == "nta" ? kPrefetchNonTemporal : name == "t0" ? kPrefetchAhead
+       : name == "l2" ? kPrefetchL2 : -1;
 }
 std::string prefetch_name(int kind) {
-  return kind == kPrefetchOff ? "off" : kind == kPrefetchNonTemporal ? "nta" : "t0";
+  return kind == kPrefetchOff ? "off" : kind == kPrefetchNonTemporal ? "nta" : kind == kPrefetchL2 ? "l2" : "t0";
 }
 }  // namespace
 
@@ -65,7 +66,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_stream_prefetch",
         [](const std::string& kind, const std::string& family) {
           const int mode = prefetch_kind(kind);
-          TORCH_CHECK(mode >= 0, "set_stream_prefetch: 'off', 'nta' or 't0', not '", kind, "'");
+          TORCH_CHECK(mode >= 0, "set_stream_prefetch: 'off', 'nta', 't0' or 'l2', not '", kind, "'");
           const int f = stream_family(family);
           TORCH_CHECK(f >= 0 || family == "all", "set_stream_prefetch: family 'bf16', 'int8', 'int4', 'int6' or 'all', "
                       "not '",

@@ -62,9 +62,18 @@ inline const float* as_float<c10::BFloat16>(const c10::BFloat16* src, float* buf
 // sequences of 150 tokens). So pass 1 requests rows kAhead positions early.
 constexpr int64_t kAhead = 8;
 
+// The scores pass requests its rows into L2 (PREFETCHT1), not L1 (T0): a standalone harness over the 0.6B shape's
+// 28 layers of bf16 cache, one sequence, two threads, 13 MB of other reads between layers as a step's weights
+// (session 22, a Zen 4): T0 8 positions ahead read the cold cache at 11-15 GB/s, T1 or T2 at 16-20, as fast as a
+// plain read of the same rows (14-20); the distance (8 or 16 positions, 1, 2 or 4 blocks) mattered less. The V
+// pass, which meets rows this pass already brought into L2, keeps T0 (prefetch_row_l1) to bring them nearer.
 inline void prefetch_row(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
+}
+inline void prefetch_row_l1(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
 }
 
 template <typename T>
@@ -324,7 +333,7 @@ void item_bf16(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, uint1
     for (int64_t pos = plo; pos < phi; ++pos) {
       // the scores' pass fetched V into the caches; ahead of this pass, into L1 again (perf: the V loads were this
       // pass's hottest instructions)
-      if (pos + kAhead < phi) prefetch_row(vp + buf.offs[pos + kAhead - it.first], D * 2);
+      if (pos + kAhead < phi) prefetch_row_l1(vp + buf.offs[pos + kAhead - it.first], D * 2);
       const uint16_t* v = vp + buf.offs[pos - it.first];
       // bf16 -> fp32 without shuffles, 32 elements a load: a 32-bit lane's even element is the lane shifted left
       // by 16, its odd element the lane with its low half masked off. So vf[2c] holds elements 32c + 0, 2, .., 30
@@ -574,7 +583,7 @@ void item_q8_512(const T* qp, const int8_t* kp, const int8_t* vp, const float* k
 #pragma GCC unroll 16
       for (int c = 0; c < C; ++c) acc[j][c] = _mm512_setzero_ps();
     for (int64_t pos = plo; pos < phi; ++pos) {
-      if (pos + kAhead < phi) prefetch_row(vp + buf.offs[pos + kAhead - it.first], D);  // as item_bf16's V pass
+      if (pos + kAhead < phi) prefetch_row_l1(vp + buf.offs[pos + kAhead - it.first], D);  // as item_bf16's V pass
       const int64_t off = buf.offs[pos - it.first];
       const float vs = vsc[off / D];
       __m512 vf[C];

@@ -342,6 +342,7 @@ void linear(const torch::Tensor& x, const torch::Tensor& w, const float* bias, t
   switch (stream_prefetch_mode(kStreamBf16)) {
     case kPrefetchOff: return linear_as<kPrefetchOff>(xp, x.stride(0), wp, M, N, K, bias, yp);
     case kPrefetchNonTemporal: return linear_as<kPrefetchNonTemporal>(xp, x.stride(0), wp, M, N, K, bias, yp);
+    case kPrefetchL2: return linear_as<kPrefetchL2>(xp, x.stride(0), wp, M, N, K, bias, yp);
     default: return linear_as<kPrefetchAhead>(xp, x.stride(0), wp, M, N, K, bias, yp);
   }
 }

@@ -1,7 +1,7 @@
 // How the streaming kernels read weights that a decode step uses once: a software prefetch ahead of the loads,
 // of a kind chosen per model at load (layers/prefetch_tune.py), because the best kind depends on the machine.
 //
-// A decode step streams every weight once. Three ways to read that stream, each the best somewhere:
+// A decode step streams every weight once. Four ways to read that stream, each the best somewhere:
 //  - non-temporal (PREFETCHNTA, 1 KB ahead): lines come in marked for early eviction, so a stream larger than
 //    the caches does not displace the rest of the step's working set (the engine's Python, the KV cache, the
 //    activations): 8-20% faster per decode step on a Zen 3 (scripts/profile_step.py, interleaved runs).
@@ -14,6 +14,9 @@
 //    there was re-read from memory every step (the bundled model 1.6x slower with NTA; session 8). And on a
 //    Zen 4 (session 17) the hardware prefetchers alone streamed fastest: a bf16 0.6B-shaped single stream
 //    1.13-1.15x, int8 1.24x against nta (in one process, modes alternating).
+//  - into L2 (PREFETCHT1, 4 KB ahead): on a Zen 4 (session 22) decode attention read its cold KV cache 1.3-1.45x
+//    faster with T1 than with T0 (paged_decode.cpp), and the int4 weight stream was sometimes a little faster
+//    with it than with nta (4-12%, one process).
 // The bf16 kernel (skinny_linear.cpp) follows the mode up to 4 activation rows, instantiated per kind
 // (prefetch_as below); the quantized kernels call prefetch_stream, which reads the kind at each call.
 //
@@ -23,11 +26,12 @@
 #pragma once
 #include <cstdint>
 
-enum StreamPrefetch : int { kPrefetchOff = 0, kPrefetchNonTemporal = 1, kPrefetchAhead = 2 };
+enum StreamPrefetch : int { kPrefetchOff = 0, kPrefetchNonTemporal = 1, kPrefetchAhead = 2, kPrefetchL2 = 3 };
 
 // Bytes ahead of the current read, per kind: far enough to cover the memory latency at streaming rates.
 constexpr int64_t kNonTemporalAhead = 1024;  // 512 B..2 KB measured alike on a Zen 3
 constexpr int64_t kT0Ahead = 4096;
+constexpr int64_t kL2Ahead = 4096;
 
 // The kernel families, each with its own mode: the bf16 kernel, the int8 kernels (W8A8 and weight-only), int4,
 // int6 (an int4 model's output head by default on AVX-512 VNNI: quant/int6.py).
@@ -48,6 +52,8 @@ inline void prefetch_as(const void* here) {
     __builtin_prefetch(static_cast<const char*>(here) + kNonTemporalAhead, 0, 0);
   else if constexpr (Mode == kPrefetchAhead)
     __builtin_prefetch(static_cast<const char*>(here) + T0Ahead, 0, 3);
+  else if constexpr (Mode == kPrefetchL2)
+    __builtin_prefetch(static_cast<const char*>(here) + kL2Ahead, 0, 2);
 }
 
 // The kind measured for this model's Family kernels, read at the call: called once per 64-byte line of weights (or
@@ -59,4 +65,6 @@ inline void prefetch_stream(const void* here) {
     prefetch_as<kPrefetchNonTemporal>(here);
   else if (mode == kPrefetchAhead)
     prefetch_as<kPrefetchAhead>(here);
+  else if (mode == kPrefetchL2)
+    prefetch_as<kPrefetchL2>(here);
 }
