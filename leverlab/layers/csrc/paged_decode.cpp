@@ -252,7 +252,8 @@ void item_generic(const T* qp, const C* kp, const C* vp, const float* ksc, const
   // Pass 2: softmax.
   softmax_rows(buf.probs.data(), buf.inv.data(), it, R, G, L, lay.window);
   // Pass 3: the probability-weighted sum of values.
-  for (int64_t pos = it.first; pos < it.ctx; ++pos) {
+  for (int64_t pos = it.first; pos < it.ctx; ++pos) {  // V rows from L2 (pass 1 fetched them), into L1 ahead
+    if (pos + kAhead < it.ctx) prefetch_row_l1(vp + buf.offs[pos + kAhead - it.first], D * sizeof(C));
     const float* vf = row_as_float(vp, vsc, buf.offs[pos - it.first], D, buf.row.data());
     const auto [r0, r1] = seeing(it, pos, G, lay.window);
     for (int64_t r = r0; r < r1; ++r) {
@@ -421,6 +422,7 @@ void item_bf16(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, uint1
   }
   softmax_rows(buf.probs.data(), buf.inv.data(), it, R, G, L, lay.window);
   for (int64_t pos = it.first; pos < it.ctx; ++pos) {
+    if (pos + kAhead < it.ctx) prefetch_row_l1(vp + buf.offs[pos + kAhead - it.first], D * 2);
     const uint16_t* v = vp + buf.offs[pos - it.first];
     __m256 ve[C], vo[C];
 #pragma GCC unroll 16
@@ -493,6 +495,7 @@ void item_q8(const T* qp, const int8_t* kp, const int8_t* vp, const float* ksc, 
   }
   softmax_rows(buf.probs.data(), buf.inv.data(), it, R, G, L, lay.window);
   for (int64_t pos = it.first; pos < it.ctx; ++pos) {
+    if (pos + kAhead < it.ctx) prefetch_row_l1(vp + buf.offs[pos + kAhead - it.first], D);
     const int64_t off = buf.offs[pos - it.first];
     __m256 vf[C];
     widen(vp + off, vsc[off / D], vf);
