@@ -365,6 +365,9 @@ def main() -> int:
     result["roofline_shares"] = shares_both_ways(best, weight_bytes, max(bw, bw_end), args)
     print_table(best, weight_bytes, max(bw, bw_end), args)
     print_block_shares(result["rounds"], weight_bytes, args)
+    if "decode" in args.measurements:
+        result["precision_ratios"] = precision_ratios(result["rounds"], best, args)
+        print_precision_ratios(result["precision_ratios"], args)
     print_notes(result["rounds"], weight_bytes, args)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))
@@ -483,6 +486,36 @@ def print_block_shares(rounds: list, weight_bytes: dict, args) -> None:
             if a or t:
                 cell = lambda v: f"{100 * v:.0f}%" if v else "-"  # noqa: E731
                 print(f"  {p:5s} {label.format(batch=args.batch):22s} LeverLab {cell(a)}, llama.cpp {cell(t)}")
+
+
+def precision_ratios(rounds: list, best: dict, args) -> dict:
+    """Each precision's single stream over the first precision's (bf16 in the default order), per engine: the
+    ratio of the best rounds (which may fall in different spells of a shared machine's bandwidth) and the ratio
+    within each round, where the two blocks ran minutes apart. {precision: {engine: {"best": r, "rounds": [r,
+    ..]}}} (None where a figure is missing)."""
+    base = args.precisions[0]
+    rate = {(r["round"], r["precision"], r["engine"]): r["tok_s"] for r in rounds if r["measurement"] == "decode"}
+    out: dict = {}
+    for p in args.precisions[1:]:
+        for eng in (OURS, THEIRS):
+            a, b = best.get(p, {}).get("decode", {}).get(eng), best.get(base, {}).get("decode", {}).get(eng)
+            per_round = []
+            for rnd in range(1, args.rounds + 1):
+                x, y = rate.get((rnd, p, eng)), rate.get((rnd, base, eng))
+                per_round.append(x / y if x and y else None)
+            out.setdefault(p, {})[eng] = {"best": a / b if a and b else None, "rounds": per_round}
+    return out
+
+
+def print_precision_ratios(ratios: dict, args) -> None:
+    if not ratios:
+        return
+    fmt = lambda v: f"{v:.2f}x" if v else "-"  # noqa: E731
+    print(f"\nsingle stream over {args.precisions[0]}'s, best rounds (and round by round):")
+    for p, engines in ratios.items():
+        cells = [f"{name} {fmt(r['best'])} ({', '.join(fmt(v) for v in r['rounds'])})"
+                 for name, r in (("LeverLab", engines[OURS]), ("llama.cpp", engines[THEIRS]))]
+        print(f"  {p:5s} " + "; ".join(cells))
 
 
 def print_notes(rounds: list, weight_bytes: dict, args) -> None:

@@ -74,3 +74,35 @@ def test_peer_roofline_counts_the_kv_cache_a_step_reads(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_peer", "--model", str(model), "--measurements", "decode,prefil"])
     with pytest.raises(SystemExit):  # argparse's error: names the unknown one and the known ones
         bench_peer.parse_args()
+
+
+def test_peer_precision_ratios_best_and_round_by_round(monkeypatch):
+    """The quantized single streams over bf16's: the ratio of the best rounds, and within each round (the same
+    spell of the machine's bandwidth), per engine; a missing figure leaves its ratios empty, not zero."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[2] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))
+    bench_peer = importlib.import_module("bench_peer")
+    monkeypatch.setattr(sys, "argv", ["bench_peer", "--model", str(default_model_path()), "--rounds", "2",
+                                      "--precisions", "bf16,int4"])
+    args = bench_peer.parse_args()
+    rate = {(1, "bf16", "leverlab"): 25.0, (1, "int4", "leverlab"): 62.5, (2, "bf16", "leverlab"): 20.0,
+            (2, "int4", "leverlab"): 70.0, (1, "bf16", "llamacpp"): 20.0, (1, "int4", "llamacpp"): 40.0,
+            (2, "bf16", "llamacpp"): None, (2, "int4", "llamacpp"): 45.0}
+    rounds = [{"round": r, "precision": p, "engine": e, "measurement": "decode", "tok_s": v}
+              for (r, p, e), v in rate.items()]
+    rounds.append({"round": 1, "precision": "bf16", "measurement": "bandwidth", "gb_s": 50.0})
+    best: dict = {}
+    for r in rounds:
+        if r["measurement"] == "decode":
+            bench_peer.keep_best(best, r["precision"], r["engine"], "decode", r["tok_s"])
+    ratios = bench_peer.precision_ratios(rounds, best, args)
+    assert list(ratios) == ["int4"]
+    ours = ratios["int4"]["leverlab"]
+    assert ours["best"] == pytest.approx(70.0 / 25.0)
+    assert ours["rounds"] == [pytest.approx(2.5), pytest.approx(3.5)]
+    theirs = ratios["int4"]["llamacpp"]
+    assert theirs["best"] == pytest.approx(45.0 / 20.0) and theirs["rounds"] == [pytest.approx(2.0), None]
