@@ -15,8 +15,9 @@
 //    Zen 4 (session 17) the hardware prefetchers alone streamed fastest: a bf16 0.6B-shaped single stream
 //    1.13-1.15x, int8 1.24x against nta (in one process, modes alternating).
 //  - into L2 (PREFETCHT1, 4 KB ahead): on a Zen 4 (session 22) decode attention read its cold KV cache 1.3-1.45x
-//    faster with T1 than with T0 (paged_decode.cpp), and the int4 weight stream was sometimes a little faster
-//    with it than with nta (4-12%, one process).
+//    faster with T1 than with T0 (paged_decode.cpp). For weights only by hand (LEVERLAB_STREAM_PREFETCH=l2): the
+//    loader does not time it, since there whole int4 decodes ran slower with it than with nta although a pass
+//    over the linears alone ran faster (layers/prefetch_tune.py).
 // The bf16 kernel (skinny_linear.cpp) follows the mode up to 4 activation rows, instantiated per kind
 // (prefetch_as below); the quantized kernels call prefetch_stream, which reads the kind at each call.
 //
