@@ -491,7 +491,7 @@ def print_block_shares(rounds: list, weight_bytes: dict, args) -> None:
 def precision_ratios(rounds: list, best: dict, args) -> dict:
     """Each precision's single stream over the first precision's (bf16 in the default order), per engine: the
     ratio of the best rounds (which may fall in different spells of a shared machine's bandwidth) and the ratio
-    within each round, where the two blocks ran minutes apart. {precision: {engine: {"best": r, "rounds": [r,
+    within each round (its two blocks minutes apart, not a round). {precision: {engine: {"best": r, "rounds": [r,
     ..]}}} (None where a figure is missing)."""
     base = args.precisions[0]
     rate = {(r["round"], r["precision"], r["engine"]): r["tok_s"] for r in rounds if r["measurement"] == "decode"}
