@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "kernel_util.h"
+#include "row_split.h"
 #include "stream_hint.h"
 #include "vec_math.h"
 
@@ -985,7 +986,7 @@ void int8_rows_q8(const at::Tensor& x, const int8_t* w, const float* scale, cons
   if (wide || pairs512) pair_scales16(xq, sp2buf, M);
   const float* sp2 = sp2buf.data();
 #endif
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+  parallel_rows(N, [&](int64_t n0, int64_t n1) {
     if (M == 1) {
       int64_t n = n0;
 #if LEVERLAB_QUANT_AVX512
@@ -1107,7 +1108,7 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
   if (quads) quad_rows(xq, M);
 #endif
   if (!wide && !quads) pair_rows(xq, M);
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+  parallel_rows(N, [&](int64_t n0, int64_t n1) {
     if (M == 1) {
       auto emit = [&](int64_t n, float v) { y[n] = static_cast<T>(v + (bias ? bias[n] : 0.f)); };
       int64_t n = n0;

@@ -14,6 +14,7 @@
 #include <torch/extension.h>
 
 #include "kernel_util.h"
+#include "row_split.h"
 #include "stream_hint.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -177,7 +178,7 @@ void linear(const torch::Tensor& x, const torch::Tensor& w, const float* bp, tor
   widen_split<C>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), M, K, xs, KC);
   auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   auto yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+  parallel_rows(N, [&](int64_t n0, int64_t n1) {
     // Groups of at most G activation rows, over a block of kRows weight rows at a time: past one group each
     // weight row is read again for the next, from L1. (Group by group over the thread's whole share of N, as
     // this had been, streamed the weights from memory once per group: 4 times at 16 rows.)
@@ -321,7 +322,7 @@ void rows_upto8(int64_t M, const uint16_t* x, int64_t ldx, const uint16_t* w, in
 template <int Mode>
 void linear_as(const uint16_t* xp, int64_t ldx, const uint16_t* wp, int64_t M, int64_t N, int64_t K, const float* bias,
                uint16_t* yp) {
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+  parallel_rows(N, [&](int64_t n0, int64_t n1) {
     if (M <= 8) return rows_upto8<Mode>(M, xp, ldx, wp, n0, n1, K, bias, yp, N);
     // More rows: groups of 8 over blocks of kRows weight rows, so that past the first group each weight row is
     // read again from L1, not memory (group by group over the whole share would stream W once per group).
