@@ -3,8 +3,8 @@
 // Why: at::parallel_for gives each thread a fixed share of the rows, so each of a decode step's ~140 parallel
 // regions lasts as long as its slowest share, and the shares do not take the same time (a thread that joins late,
 // memory that serves one core's stream slower for a while). Measured (perf over an int4 decode of the 0.6B shape,
-// two threads, session 23): the worker thread spent 24% of the step waiting in libgomp, the main thread 10%, though
-// the main thread's own serial work between regions was ~5%.
+// two threads, session 23): the worker thread spent 24% of its time waiting in libgomp, the main thread 10%, where
+// the main thread's own serial work between regions (norms, rotary, activation quantization, Python) took ~13%.
 //
 // Here each thread still reads its own contiguous share front to back (one sequential stream per thread, what the
 // prefetchers serve best), a chunk at a time; a thread done with its share takes chunks from the back of another's,
@@ -14,7 +14,7 @@
 // Measured on that Zen 4 (whole greedy decodes of the 0.6B shape, 128 tokens after 128, in one process with the
 // two splits alternating, paired medians): bf16 1.03x, 1.09x, 1.16x; int8 1.10x, 1.04x, 1.02x; int4 1.02x, 0.96x,
 // 1.04x, 0.97x (noise: the int4 body and its int6 head alone, from memory, 1.4% faster). After it the main thread
-// waited 2.7% of the step, the worker 8.8%, most of that during the main thread's serial work.
+// waited 3-5% of its time, the worker 17-18%, most of that during the main thread's serial work.
 #pragma once
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -25,7 +25,7 @@ namespace row_split {
 
 constexpr int64_t kMinChunk = 64;  // rows: at::parallel_for's grain in these kernels before
 constexpr int64_t kChunksPerThread = 32;  // the largest share a thread can be left waiting on: 1/32 of its own
-constexpr int kMaxThreads = 64;
+constexpr int kMaxThreads = 64;  // shares kept on the stack; more threads than this take fixed shares
 
 // A thread's share of chunks [front, back), both in one word, so that the owner (taking the front) and a thief
 // (taking the back) agree on the last chunk with one compare-and-swap.
@@ -53,8 +53,9 @@ struct alignas(64) Share {
 template <typename F>
 void parallel_rows(int64_t N, const F& f) {
   using namespace row_split;
-  const int64_t nt = std::min<int64_t>(at::get_num_threads(), kMaxThreads);
+  const int64_t nt = at::get_num_threads();
   if (nt <= 1 || N <= kMinChunk || at::in_parallel_region()) return f(0, N);
+  if (nt > kMaxThreads) return at::parallel_for(0, N, kMinChunk, f);
   const int64_t per = (N + nt * kChunksPerThread - 1) / (nt * kChunksPerThread);
   const int64_t chunk = std::max(kMinChunk, (per + kMinChunk - 1) / kMinChunk * kMinChunk);
   const int64_t chunks = (N + chunk - 1) / chunk;
