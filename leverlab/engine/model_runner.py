@@ -11,6 +11,7 @@ from leverlab.config import EngineConfig
 from leverlab.distributed.parallel_state import TPState, local_kv_heads
 from leverlab.engine.scheduler import ScheduledBatch
 from leverlab.engine.sequence import Sequence
+from leverlab.layers import prefetch_tune
 from leverlab.layers.attention import AttentionMetadata, forward_context
 from leverlab.models import fused
 from leverlab.models.loader import DTYPES, load_model
@@ -105,6 +106,17 @@ class ModelRunner:
             if isinstance(hidden, tuple):
                 hidden = hidden[0]
             self.model.compute_logits(hidden[-1:])
+        measured = getattr(self.model, "prefetch_tuned", None)  # the loader's choice of weight prefetch, if it chose
+        if measured and self.fused is not None and self.fused.takes_head(1) and self.tp.size == 1:
+            prefetch_tune.tune_steps(self._decode_step(), measured)
+
+    def _decode_step(self):
+        """One fused decode step of one sequence at up to 128 positions of context, as a callable (for timing). Like
+        the forwards above it writes only into blocks that any later owner overwrites before reading."""
+        ctx = max(0, min(128, (self.num_blocks - 1) * self.block_size, self.model_config.max_position_embeddings - 1))
+        table = list(range(ctx // self.block_size + 1))
+        slot = table[-1] * self.block_size + ctx % self.block_size
+        return lambda: self.fused.step([1], [ctx], [slot], [table], [ctx + 1], [0, 1], [0])
 
     def set_aux_capture(self, on: bool) -> None:
         """Return EAGLE's aux layers' outputs from the following steps, or not: while speculation is gated

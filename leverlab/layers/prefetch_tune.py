@@ -25,6 +25,7 @@ nta, its int8 head without a prefetch. So the loader times passes over each fami
 activation row, as a decode step reads them, in each mode after a settling pass in that mode, and keeps the
 family's fastest (nta unless another beat it by MARGIN in every round: `choose`). Past MAX_BYTES of a family's
 weights it times its first layers up to that size: still far beyond any cache, and a pass stays short.
+Once the engine can run a decode step, whole steps check that choice (`tune_steps`, from ModelRunner.warmup).
 LEVERLAB_STREAM_PREFETCH=off|nta|t0|l2 sets every family's mode without measuring (LEVERLAB_NO_STREAM_PREFETCH=1:
 off).
 """
@@ -88,12 +89,9 @@ def tune(model: torch.nn.Module) -> dict[str, str] | None:
     for m, b in linears:
         if (f := family(m)) is not None:
             families.setdefault(f, []).append((m, b))
-    forced = "off" if env.flag("LEVERLAB_NO_STREAM_PREFETCH") else env.get("LEVERLAB_STREAM_PREFETCH", "")
-    if forced:
-        if forced not in FORCEABLE:
-            raise ValueError(f"LEVERLAB_STREAM_PREFETCH must be one of {', '.join(FORCEABLE)}, not {forced!r}")
-        kern.set_stream_prefetch(forced)  # every family
-        return dict.fromkeys(families, forced)
+    if mode := forced():
+        kern.set_stream_prefetch(mode)  # every family
+        return dict.fromkeys(families, mode)
     if not families or model_bytes < _largest_tuned:
         return None
     dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype (a quantized layer's weight is not)
@@ -104,6 +102,14 @@ def tune(model: torch.nn.Module) -> dict[str, str] | None:
             return None
     _largest_tuned = model_bytes
     return chosen
+
+
+def forced() -> str:
+    """The kind LEVERLAB_STREAM_PREFETCH (or LEVERLAB_NO_STREAM_PREFETCH=1: off) sets for every family; "" if none."""
+    mode = "off" if env.flag("LEVERLAB_NO_STREAM_PREFETCH") else env.get("LEVERLAB_STREAM_PREFETCH", "")
+    if mode and mode not in FORCEABLE:
+        raise ValueError(f"LEVERLAB_STREAM_PREFETCH must be one of {', '.join(FORCEABLE)}, not {mode!r}")
+    return mode
 
 
 def _tune_family(kern, fam: str, linears: list[tuple[Linear, int]], dtype: torch.dtype) -> str | None:
@@ -146,7 +152,8 @@ def _tune_family(kern, fam: str, linears: list[tuple[Linear, int]], dtype: torch
     return mode
 
 
-def choose(rounds: dict[str, list[float]]) -> str:
+def choose(rounds: dict[str, list[float]], default: str = DEFAULT, margin: float = MARGIN,
+           wins_needed: int | None = None) -> str:
     """The mode to keep from each mode's best pass per round ({mode: [seconds, ..]}, the rounds aligned): another
     mode than the default only where it beat the default by MARGIN in every round, the fastest such (by its best
     pass). A best-of over all rounds let one lucky pass decide: on a Zen 4 whose bandwidth moves between spells
@@ -154,7 +161,59 @@ def choose(rounds: dict[str, list[float]]) -> str:
     (alternating processes, each mode forced, 96 tokens after a 128-token prompt, median of 5 generations) nta
     decoded at 76.8 / 64.5 / 61.4 tok/s, off at 58.2 / 65.3 / 57.8, l2 at 58.7 / 60.8 / 57.5: the isolated pass does
     not see what a stream that evicts the step's other data costs, which is what the margin stands for."""
-    base = rounds[DEFAULT]
-    wins = [m for m, r in rounds.items()
-            if m != DEFAULT and r and all(t < (1 - MARGIN) * b for t, b in zip(r, base, strict=True))]
-    return min(wins, key=lambda m: min(rounds[m])) if wins else DEFAULT
+    base = rounds[default]
+
+    def steady(r: list[float]) -> bool:  # won by the margin in every round (or in wins_needed of them)
+        won = sum(t < (1 - margin) * b for t, b in zip(r, base, strict=True))
+        return bool(r) and won >= (len(r) if wins_needed is None else wins_needed)
+    wins = [m for m, r in rounds.items() if m != default and steady(r)]
+    return min(wins, key=lambda m: min(rounds[m])) if wins else default
+
+
+STEP_MARGIN = 0.03  # whole steps see everything a kind costs (what it evicts included): a smaller margin than MARGIN
+STEP_ROUNDS, STEP_WINS = 5, 4  # a candidate must win 4 rounds of 5: a step is short, and one spell can spoil a round
+STEP_TIMED = 2  # steps timed per candidate and round (the fastest counts), after one settling step
+
+
+def tune_steps(step, measured: dict[str, str]) -> dict[str, str]:
+    """Check the passes' choice (`tune`: {family: mode}) against whole decode steps and keep what they run fastest.
+
+    Why: a pass over the linears alone misjudges a kind both ways. In session 22 it preferred l2 for the 0.6B
+    shape's int4 body while whole decodes ran slower with it; in session 23 it kept nta for the bf16 model (off
+    never beat it by 5% in every round) while whole decodes, in one process with the kinds alternating, ran 1.23x
+    faster with off (10 of 10 pairs). So once the engine can run a step (ModelRunner.warmup), `step()` runs one
+    decode step and candidates are timed through it: the passes' choice, and every family in one kind (nta, t0,
+    off). The passes' choice stays unless another candidate beat it by STEP_MARGIN in STEP_WINS of STEP_ROUNDS
+    rounds."""
+    kern = cpu_kernels.kernels()
+    candidates = {"measured": dict(measured)}
+    for mode in MODES:
+        if any(m != mode for m in measured.values()):
+            candidates[mode] = dict.fromkeys(measured, mode)
+
+    def use(name: str) -> None:
+        for fam, mode in candidates[name].items():
+            kern.set_stream_prefetch(mode, fam)
+
+    def timed() -> float:
+        t = time.perf_counter()
+        step()
+        return time.perf_counter() - t
+
+    rounds: dict[str, list[float]] = {name: [] for name in candidates}
+    names = list(candidates)
+    try:
+        for r in range(STEP_ROUNDS):
+            for name in names if r % 2 == 0 else names[::-1]:
+                use(name)
+                step()  # settling: the first step pays for the other kind's cache state
+                rounds[name].append(min(timed() for _ in range(STEP_TIMED)))
+    except Exception as e:  # noqa: BLE001 - a measurement must never stop a model from serving
+        use("measured")
+        log.warning("weight prefetch left as the passes chose: timing decode steps failed (%s)", e)
+        return measured
+    pick = choose(rounds, default="measured", margin=STEP_MARGIN, wins_needed=STEP_WINS)
+    use(pick)
+    log.info("weight prefetch by whole decode steps: %s (per round, ms: %s)", candidates[pick],
+             "; ".join(f"{n} " + " ".join(f"{x * 1e3:.1f}" for x in t) for n, t in rounds.items()))
+    return candidates[pick]

@@ -71,7 +71,9 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.de
         huge_pages.move_to_huge_pages(model)  # before anything times the weights or keeps pointers to them
         # The prefetch first: the rows' timing below measures the streaming kernels, whose speed depends on it,
         # so they are timed in the mode they will run in.
-        prefetch_tune.tune(model)  # how the kernels prefetch their weights, here (off / nta / t0)
+        # how the kernels prefetch their weights, here (off / nta / t0); whole decode steps check it at warm-up
+        tuned = prefetch_tune.tune(model)
+        model.prefetch_tuned = None if prefetch_tune.forced() else tuned
         autotune.tune(quantized)  # how many rows each layer streams before fbgemm's GEMM is faster
     model.quant_method = method
     return model.eval()

@@ -95,6 +95,8 @@ def test_prefetch_is_measured_at_load_and_off_by_env(checkpoint_factory, monkeyp
     monkeypatch.setenv("LEVERLAB_STREAM_PREFETCH", "t0")
     assert prefetch_tune.tune(model) == {"bf16": "t0"}
     assert [kern.stream_prefetch(f) for f in ("bf16", "int8", "int4", "int6")] == ["t0"] * 4
+    assert model.prefetch_tuned["bf16"] in ("nta", "t0", "off")  # measured at its load: warm-up checks it by steps
+    assert load_model(checkpoint_factory("qwen3"), "bfloat16").prefetch_tuned is None  # forced: nothing to check
     monkeypatch.setenv("LEVERLAB_STREAM_PREFETCH", "l2")  # not timed at load, but can be asked for
     assert prefetch_tune.tune(model) == {"bf16": "l2"} and kern.stream_prefetch("int4") == "l2"
     monkeypatch.setenv("LEVERLAB_STREAM_PREFETCH", "sometimes")
@@ -140,5 +142,49 @@ def test_prefetch_choice_needs_a_win_in_every_round():
         == "nta"  # off won two rounds of three; l2 by less than the margin
     assert choose({"nta": [10.0, 12.0, 10.0], "off": [9.0, 11.0, 9.4], "t0": [8.0, 11.6, 9.0], "l2": [10.0] * 3}) \
         == "off"  # t0 was fastest in two rounds but within the margin in the second (11.6 > 0.95 * 12)
+    # whole steps (tune_steps): the passes' choice is the default, and 4 wins of 5 rounds are enough
+    five = {"measured": [10.0] * 5, "off": [9.0, 9.0, 11.0, 9.0, 9.0], "t0": [9.0, 11.0, 9.0, 11.0, 9.0]}
+    assert choose(five, default="measured", margin=0.03, wins_needed=4) == "off"
+    assert choose(five, default="measured", margin=0.03) == "measured"
     # two steady winners: the faster by its best pass
     assert choose({"nta": [10.0, 10.0], "off": [9.0, 9.4], "t0": [8.0, 9.0], "l2": [10.0, 10.0]}) == "t0"
+
+
+@needs_kernel
+def test_whole_decode_steps_overrule_the_passes_choice_only_by_a_steady_win(monkeypatch):
+    """tune_steps times candidates through whole decode steps (the passes' choice, then every family in one kind)
+    and keeps the passes' choice unless another beat it by STEP_MARGIN in STEP_WINS of STEP_ROUNDS rounds. Here a step's time follows
+    the kind the kernels are really set to, as a stand-in decode step whose cost is known exactly."""
+    from leverlab.layers import prefetch_tune
+
+    kern = bf16_linear.cpu_kernels.kernels()
+    clock = [0.0]
+    monkeypatch.setattr(prefetch_tune.time, "perf_counter", lambda: clock[0])
+
+    def step_costing(cost: dict[str, float], jitter: dict[int, float] | None = None):
+        calls = [0]
+
+        def step():  # the call's cost in the int4 family's kind, times a jitter for some calls (numbered from 1)
+            calls[0] += 1
+            clock[0] += cost[kern.stream_prefetch("int4")] * (jitter or {}).get(calls[0], 1.0)
+        return step
+
+    try:
+        measured = {"int4": "nta", "int6": "t0"}
+        # off steadily 20% faster than the passes' choice (int4 nta here): kept, for every family
+        assert prefetch_tune.tune_steps(step_costing({"nta": 1.0, "t0": 1.0, "off": 0.8}), measured) == \
+            {"int4": "off", "int6": "off"}
+        assert [kern.stream_prefetch(f) for f in ("int4", "int6")] == ["off", "off"]
+        # within the margin: the passes' choice stays, family by family
+        assert prefetch_tune.tune_steps(step_costing({"nta": 1.0, "t0": 0.99, "off": 0.98}), measured) == measured
+        assert [kern.stream_prefetch(f) for f in ("int4", "int6")] == ["nta", "t0"]
+        # faster in one round only (every other step of the measured choice slowed in round 1): kept as measured
+        slow_first_round = {i: 1.5 for i in range(1, 5)}
+        assert prefetch_tune.tune_steps(step_costing({"nta": 1.0, "t0": 1.0, "off": 1.0}, slow_first_round),
+                                        measured) == measured
+
+        def failing():
+            raise RuntimeError("no step")
+        assert prefetch_tune.tune_steps(failing, measured) == measured  # a failed timing keeps the passes' choice
+    finally:
+        kern.set_stream_prefetch("nta")
