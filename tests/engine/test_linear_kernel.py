@@ -82,8 +82,8 @@ def test_prefetch_is_measured_at_load_and_off_by_env(checkpoint_factory, monkeyp
     kern = bf16_linear.cpu_kernels.kernels()
     if kern is None:
         pytest.skip("no C++ kernels here")
+    monkeypatch.setattr(prefetch_tune, "_largest_tuned", 0)  # before the load: larger models loaded by other tests
     model = load_model(checkpoint_factory("qwen3"), "bfloat16")
-    monkeypatch.setattr(prefetch_tune, "_largest_tuned", 0)
     choice = prefetch_tune.tune(model)
     assert list(choice) == ["bf16"] and choice["bf16"] in ("nta", "t0", "off")
     assert kern.stream_prefetch() == choice["bf16"]
