@@ -17,8 +17,8 @@ The kernels read a decode step's weights as one stream and prefetch ahead of it 
        there the int4 body's pass preferred it (10.61 ms against nta's 11.55, in each of 3 rounds), but whole
        int4 decodes with it forced ran at 58.7 / 60.8 / 57.5 tok/s against nta's 76.8 / 64.5 / 61.4 (alternating
        processes): a pass over the linears alone does not see what the stream evicts. Set it by hand to try it.
-The bf16 kernel follows the mode up to 4 activation rows (until session 17 it always prefetched T0 2 KB ahead);
-more rows are compute-bound and keep their own T0 prefetch (csrc/skinny_linear.cpp says why).
+The bf16 kernel follows the mode up to 3 activation rows (until session 17 it always prefetched T0 2 KB ahead);
+from 4 rows on it prefetches into L2 whatever the mode (csrc/skinny_linear.cpp says why).
 Each kernel family (bf16, int8, int4, int6) has its own mode, since one model can stream through two: an int4
 model's head was int8 (int6 since session 20), and on that Zen 4 (session 18) its int4 body streamed fastest with
 nta, its int8 head without a prefetch. So the loader times passes over each family's linear layers at one

@@ -254,6 +254,8 @@ inline void column(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K,
 
 // Output columns n and n + 1 for M activation rows: each activation chunk loaded once for two weight rows, so
 // that a chunk's 2 M dot products take M + 2 loads (column<> takes 2 M for them). 2 M <= 16 accumulators.
+// Its weights are prefetched into L2 kPairsL2Ahead bytes ahead (rows_upto8 says why).
+constexpr int64_t kPairsL2Ahead = 16384;
 template <int M>
 inline void column_pair(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, const float* bias, uint16_t* y,
                         int64_t ldy, int64_t n) {
@@ -264,8 +266,8 @@ inline void column_pair(const uint16_t* x, int64_t ldx, const uint16_t* w, int64
   const uint16_t* w1 = w0 + K;
   for (int64_t k = 0; k < K; k += 32) {
     const __mmask32 mask = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
-    prefetch_as<kPrefetchAhead, 8192>(w0 + k);
-    prefetch_as<kPrefetchAhead, 8192>(w1 + k);
+    prefetch_as<kPrefetchL2, kT0Ahead, kPairsL2Ahead>(w0 + k);
+    prefetch_as<kPrefetchL2, kT0Ahead, kPairsL2Ahead>(w1 + k);
     const __m512bh v0 = load_bf16(w0 + k, mask), v1 = load_bf16(w1 + k, mask);
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
@@ -286,7 +288,7 @@ void column_pairs(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t n0,
                   const float* bias, uint16_t* y, int64_t ldy) {
   int64_t n = n0;
   for (; n + 2 <= n1; n += 2) column_pair<M>(x, ldx, w, K, bias, y, ldy, n);
-  if (n < n1) column<kPrefetchAhead, M, 1, 4096>(x, ldx, w, K, bias, y, ldy, n);
+  if (n < n1) column<kPrefetchL2, M, 1, 4096>(x, ldx, w, K, bias, y, ldy, n);
 }
 
 template <int Mode, int M, int U, int64_t Prefetch>
@@ -298,11 +300,16 @@ void columns(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t n0, int6
 // Weight rows n0 .. n1 for M <= 8 activation rows: up to 4 rows one weight row at a time, with the unrolling and
 // prefetch distance (elements) of the best of a sweep per row count (scripts/bench_linear.py); from 5 rows on
 // weight rows in pairs (column_pair: 1.06-1.16x at 6-16 rows on the Qwen3-0.6B shape's matrices, two threads,
-// a Xeon, session 10). The measured prefetch mode governs up to 4 rows, where the step is a memory stream; from
-// 5 rows on the loop is compute-heavy and keeps its T0 prefetch 8 KB ahead whatever the mode: on the Zen 4 of
-// session 17 (bf16 0.6B shape, two threads, in one process, modes alternating, median aggregate tok/s) one
-// sequence decoded at 19.9 with T0 and 22.9 with none, two at 34.4 and 54.8, four at 58.4 and 53.9, and
-// sixteen at 117.0 with T0, 92.4 with none.
+// a Xeon, session 10).
+// The measured prefetch mode governs up to 3 rows, where the step is a memory stream. From 4 rows on the loop
+// has enough arithmetic per line that it and the memory stream take turns unless the lines are asked for well
+// ahead, and a prefetch into L2 (PREFETCHT1) does that where T0, NTA and the hardware prefetchers alone did not:
+// on a Zen 4 (session 24, bf16 0.6B shape, two threads, whole decodes in one process with the kinds alternating,
+// paired medians of 6) sixteen sequences decoded 1.23x faster with L2 16 KB ahead than with T0 8 KB ahead (the
+// kind here before; 32 KB: 1.26x, PREFETCHT2 16 KB: 1.19x), eight 1.40x, four (L2 4 KB ahead against the
+// measured mode, off) 1.36x; but three 0.95x and two 0.82x, so those keep the mode. A standalone pass over the
+// shape's matrices (16 rows, two threads) agreed: 44 ms with T0 8 KB ahead, 31-34 with L2 16-32 KB ahead, 41
+// with none. (The int8 and int4 tiles did not gain from it: 0.97x and 0.96x at sixteen sequences.)
 template <int Mode>
 void rows_upto8(int64_t M, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t n0, int64_t n1, int64_t K,
                 const float* bias, uint16_t* y, int64_t ldy) {
@@ -310,7 +317,7 @@ void rows_upto8(int64_t M, const uint16_t* x, int64_t ldx, const uint16_t* w, in
     case 1: columns<Mode, 1, 4, 1024>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
     case 2: columns<Mode, 2, 4, 1024>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
     case 3: columns<Mode, 3, 2, 1024>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
-    case 4: columns<Mode, 4, 2, 1024>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
+    case 4: columns<kPrefetchL2, 4, 2, 1024>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
     case 5: column_pairs<5>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
     case 6: column_pairs<6>(x, ldx, w, n0, n1, K, bias, y, ldy); break;
     case 7: column_pairs<7>(x, ldx, w, n0, n1, K, bias, y, ldy); break;

@@ -18,8 +18,9 @@
 //    faster with T1 than with T0 (paged_decode.cpp). For weights only by hand (LEVERLAB_STREAM_PREFETCH=l2): the
 //    loader does not time it, since there whole int4 decodes ran slower with it than with nta although a pass
 //    over the linears alone ran faster (layers/prefetch_tune.py).
-// The bf16 kernel (skinny_linear.cpp) follows the mode up to 4 activation rows, instantiated per kind
-// (prefetch_as below); the quantized kernels call prefetch_stream, which reads the kind at each call.
+// The bf16 kernel (skinny_linear.cpp) follows the mode up to 3 activation rows, instantiated per kind
+// (prefetch_as below), and prefetches into L2 from 4 rows on; the quantized kernels call prefetch_stream, which
+// reads the kind at each call.
 //
 // Each kernel family has its own mode, because one model can stream through two families whose best kinds differ:
 // an int4 model's output head is int8 (quant/registry.py), and on a Zen 4 (session 18) the int4 body streamed
@@ -46,15 +47,16 @@ inline int& stream_prefetch_mode(int family) {
 }
 
 // The prefetch of kind Mode for the line being read now: for a kernel instantiated per kind (the bf16 kernel), so
-// that nothing is tested per line; T0Ahead is the T0 kind's distance in bytes, the caller's own where it swept one.
-template <int Mode, int64_t T0Ahead = kT0Ahead>
+// that nothing is tested per line; T0Ahead and L2Ahead are the T0 and L2 kinds' distances in bytes, the caller's
+// own where it measured one.
+template <int Mode, int64_t T0Ahead = kT0Ahead, int64_t L2Ahead = kL2Ahead>
 inline void prefetch_as(const void* here) {
   if constexpr (Mode == kPrefetchNonTemporal)
     __builtin_prefetch(static_cast<const char*>(here) + kNonTemporalAhead, 0, 0);
   else if constexpr (Mode == kPrefetchAhead)
     __builtin_prefetch(static_cast<const char*>(here) + T0Ahead, 0, 3);
   else if constexpr (Mode == kPrefetchL2)
-    __builtin_prefetch(static_cast<const char*>(here) + kL2Ahead, 0, 2);
+    __builtin_prefetch(static_cast<const char*>(here) + L2Ahead, 0, 2);
 }
 
 // The kind measured for this model's Family kernels, read at the call: called once per 64-byte line of weights (or
