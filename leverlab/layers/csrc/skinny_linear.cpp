@@ -306,10 +306,10 @@ void columns(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t n0, int6
 // ahead, and a prefetch into L2 (PREFETCHT1) does that where T0, NTA and the hardware prefetchers alone did not:
 // on a Zen 4 (session 24, bf16 0.6B shape, two threads, whole decodes in one process with the kinds alternating,
 // paired medians of 6) sixteen sequences decoded 1.23x faster with L2 16 KB ahead than with T0 8 KB ahead (the
-// kind here before; 32 KB: 1.26x, PREFETCHT2 16 KB: 1.19x), eight 1.40x, four (L2 4 KB ahead against the
-// measured mode, off) 1.36x; but three 0.95x and two 0.82x, so those keep the mode. A standalone pass over the
-// shape's matrices (16 rows, two threads) agreed: 44 ms with T0 8 KB ahead, 31-34 with L2 16-32 KB ahead, 41
-// with none. (The int8 and int4 tiles did not gain from it: 0.97x and 0.96x at sixteen sequences.)
+// kind here before; 32 KB: 1.26x, PREFETCHT2 16 KB: 1.19x), eight 1.40x (L2 32 KB ahead), four 1.36x (L2 4 KB
+// ahead against the measured mode, off); but three 0.95x and two 0.82x, so those keep the mode. A standalone pass
+// over the shape's matrices (16 rows, two threads) agreed: 44 ms with T0 8 KB ahead, 31-34 with L2 16-32 KB
+// ahead, 41 with none. (The int8 and int4 tiles did not gain from it: 0.97x and 0.96x at sixteen sequences.)
 template <int Mode>
 void rows_upto8(int64_t M, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t n0, int64_t n1, int64_t K,
                 const float* bias, uint16_t* y, int64_t ldy) {
