@@ -156,11 +156,12 @@ def choose(rounds: dict[str, list[float]], default: str = DEFAULT, margin: float
            wins_needed: int | None = None) -> str:
     """The mode to keep from each mode's best pass per round ({mode: [seconds, ..]}, the rounds aligned): another
     mode than the default only where it beat the default by the margin in every round (or in wins_needed of them),
-    the fastest such (by its best pass). A best-of over all rounds let one lucky pass decide: on a Zen 4 whose bandwidth moves between spells
-    (session 22) the 0.6B shape's int4 model drew nta, off and l2 (timed then) in three loads, and through the engine
-    (alternating processes, each mode forced, 96 tokens after a 128-token prompt, median of 5 generations) nta
-    decoded at 76.8 / 64.5 / 61.4 tok/s, off at 58.2 / 65.3 / 57.8, l2 at 58.7 / 60.8 / 57.5: the isolated pass does
-    not see what a stream that evicts the step's other data costs, which is what the margin stands for."""
+    the fastest such (by its best pass). A best-of over all rounds let one lucky pass decide: on a Zen 4 whose
+    bandwidth moves between spells (session 22) the 0.6B shape's int4 model drew nta, off and l2 (timed then) in
+    three loads, and through the engine (alternating processes, each mode forced, 96 tokens after a 128-token
+    prompt, median of 5 generations) nta decoded at 76.8 / 64.5 / 61.4 tok/s, off at 58.2 / 65.3 / 57.8, l2 at
+    58.7 / 60.8 / 57.5: the isolated pass does not see what a stream that evicts the step's other data costs,
+    which is what the margin stands for."""
     base = rounds[default]
 
     def steady(r: list[float]) -> bool:  # won by the margin in every round (or in wins_needed of them)

@@ -153,8 +153,9 @@ def test_prefetch_choice_needs_a_win_in_every_round():
 @needs_kernel
 def test_whole_decode_steps_overrule_the_passes_choice_only_by_a_steady_win(monkeypatch):
     """tune_steps times candidates through whole decode steps (the passes' choice, then every family in one kind)
-    and keeps the passes' choice unless another beat it by STEP_MARGIN in STEP_WINS of STEP_ROUNDS rounds. Here a step's time follows
-    the kind the kernels are really set to, as a stand-in decode step whose cost is known exactly."""
+    and keeps the passes' choice unless another beat it by STEP_MARGIN in STEP_WINS of STEP_ROUNDS rounds. Here a
+    step's time follows the kind the kernels are really set to, as a stand-in decode step whose cost is known
+    exactly."""
     from leverlab.layers import prefetch_tune
 
     kern = bf16_linear.cpu_kernels.kernels()
