@@ -6,7 +6,8 @@ Whatever the source, the loaded layer ends up in the same dense staging form - q
 s [out, in/g] float32, z [out, in/g] uint8 (integer zero points, as AWQ and GPTQ store them) -
 (held under the checkpoint's names qweight / scales / qzeros while loading), which
 process_weights_after_loading repacks for the kernel:
-  CPU:  our streaming kernel (layers/csrc/quant_linear.cpp, pack_int4_streaming: 4-bit q, fp16 s and z) up to
+  CPU:  our streaming kernel (layers/csrc/quant_linear.cpp, pack_int4_streaming: 4-bit q, fp16 s and z; with
+        AVX-512 VNNI and out % 16 == 0 pack_int4_panels, the same bytes in panels of 16 rows) up to
         16 rows (integer dot products for bf16/fp16 activations); else aten._weight_int4pack_mm_for_cpu
         (eager), which Inductor lowers to its WoQ-int4 CPP GEMM template under max-autotune with frozen
         weights; scales_and_zeros [in/g, out, 2] in the activation dtype. Every path takes the scales as
@@ -60,9 +61,40 @@ def pack_int4_streaming(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     return packed, torch.stack([s16, zeros.to(torch.float16)], dim=1).contiguous()
 
 
+def pack_int4_panels(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The panel layout of the AVX-512 VNNI kernel (csrc/quant_linear.cpp, int4_panels_q8): [out / 16, in / g,
+    8 g + 64] uint8. Rows 16 p .. 16 p + 15 form panel p; per group, g / 8 vectors of 64 bytes, where bytes
+    4 r .. 4 r + 3 of vector j hold row r's channels 8 j .. 8 j + 3 (low nibbles) and 8 j + 4 .. 8 j + 7 (high
+    nibbles), then the 16 rows' fp16 scales and their 16 zero points. The same bytes as pack_int4_streaming's
+    pair (4 + 32 / g bits per weight), in one stream. out % 16 == 0."""
+    out, k = q.shape
+    g, ng = group_size, k // group_size
+    v = q.to(torch.uint8).reshape(out // 16, 16, ng, g // 8, 2, 4)
+    nibbles = (v[..., 0, :] | (v[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(out // 16, ng, 8 * g)
+    s16 = scales.float().clamp(max=torch.finfo(torch.float16).max).to(torch.float16)
+
+    def per_group(t: torch.Tensor) -> torch.Tensor:  # [out, ng] fp16 -> [out / 16, ng, 32] bytes
+        return t.reshape(out // 16, 16, ng).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    return torch.cat([nibbles, per_group(s16), per_group(zeros.to(torch.float16))], dim=2).contiguous()
+
+
+def panels_to_rows(panels: torch.Tensor, group_size: int) -> torch.Tensor:
+    """pack_int4_panels' weights in pack_int4_streaming's row layout ([out, in / 2] uint8)."""
+    npan, ng, _ = panels.shape
+    g = group_size
+    v = panels[:, :, : 8 * g].reshape(npan, ng, g // 8, 16, 4)
+    q = torch.stack([v & 15, v >> 4], dim=4).permute(0, 3, 1, 2, 4, 5).reshape(npan * 16, ng * g)
+    blocks = q.reshape(npan * 16, -1, 2, 16)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(npan * 16, -1).contiguous()
+
+
 def dequantize_streaming(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The float32 [out, in] weight that pack_int4_streaming's (packed, scales) encode: (q - z) * s."""
+    """The float32 [out, in] weight that pack_int4_streaming's (packed, scales) encode: (q - z) * s. packed may
+    be panels (pack_int4_panels)."""
     out, ng = scales.shape[0], scales.shape[2]
+    if packed.dim() == 3:
+        packed = panels_to_rows(packed, (packed.shape[2] - 64) // 8)
     p = packed.view(out, -1, 16)
     q = torch.cat([p & 15, p >> 4], dim=2).view(out, ng, -1).float()
     s = scales.float()
@@ -164,8 +196,11 @@ class Int4Method(QuantMethod):
         # (one) see one weight.
         packed, ss = pack_int4_streaming(q, s, z, self.group_size)
         layer.q4 = None
-        if streaming_kernels(q.device) is not None and getattr(layer, "q_perm", None) is None:
+        kern = streaming_kernels(q.device)
+        if kern is not None and getattr(layer, "q_perm", None) is None:
             layer.q4 = (packed, ss)
+            if q.shape[0] % 16 == 0 and kern.has_fast_int6():  # AVX-512 VNNI: panels of 16 rows (one stream)
+                layer.q4 = (pack_int4_panels(q, s, z, self.group_size), ss)
         layer.int8_key = None
         from leverlab.quant.int8 import quantize_int8, use_int8_gemm
 
@@ -224,11 +259,11 @@ class Int4Method(QuantMethod):
     def bytes_read(self, layer, rows: int) -> int:
         bias = layer.bias.numel() * layer.bias.element_size() if layer.bias is not None else 0
         if getattr(layer, "q4", None) is not None and rows <= getattr(layer, "stream_rows", STREAMING_MAX_ROWS):
-            return layer.q4[0].numel() + layer.q4[1].numel() * 2 + bias
+            return _streamed_bytes(layer.q4) + bias
         if getattr(layer, "int8_key", None) is not None and rows >= self.w8a8_min_rows:
             return layer.out_features * (layer.in_features + 4) + bias  # the packed int8 copy + fp32 scales
         if getattr(layer, "scales_and_zeros", None) is None:
-            return layer.q4[0].numel() + layer.q4[1].numel() * 2 + bias
+            return _streamed_bytes(layer.q4) + bias
         return sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scales_and_zeros)) + bias
 
     def dequantize(self, layer) -> torch.Tensor:
@@ -246,6 +281,11 @@ class Int4Method(QuantMethod):
 
         q, s, z = quantize_int4(weight, self.group_size)
         return pack_awq(q, s, z, scale_dtype=torch.float16)
+
+
+def _streamed_bytes(q4: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """Bytes a streaming pass reads: panels carry their scales; the row layout reads its scales beside."""
+    return q4[0].numel() if q4[0].dim() == 3 else q4[0].numel() + q4[1].numel() * 2
 
 
 class _NoBias:

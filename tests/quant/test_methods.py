@@ -238,6 +238,65 @@ def test_int4_streaming_kernel_paths_agree(k, g):
                                        dequantize_streaming(packed, ss), k)
 
 
+@pytest.mark.parametrize("k,g", [(256, 64), (352, 32), (1024, 128), (512, 256), (1536, 64)])
+def test_int4_panels_are_the_row_layout_in_another_order(k, g):
+    """pack_int4_panels (16 weight rows interleaved per group, their scales in the stream) holds the same weight
+    as the row layout: it unpacks to it byte for byte; with bf16 activations its kernel (AVX-512 VNNI) gives
+    every row count 1..17 the row layout's results to one bf16 step, and each output row bit for bit what that
+    row alone gives (integer sums per group, one float order whatever the batch); float32 activations and rows
+    past the streaming kernel take the row layout's paths exactly."""
+    from leverlab.layers import cpu_kernels
+    from leverlab.quant.int4 import (
+        dequantize_streaming,
+        pack_int4_panels,
+        pack_int4_streaming,
+        panels_to_rows,
+        quantize_int4,
+    )
+
+    kern = cpu_kernels.kernels()
+    if kern is None:
+        pytest.skip("no C++ kernels here")
+    torch.manual_seed(k + g)
+    q, s, z = quantize_int4(torch.randn(48, k) * 0.05, g)
+    packed, ss = pack_int4_streaming(q, s, z, g)
+    panels = pack_int4_panels(q, s, z, g)
+    assert panels.shape == (3, k // g, 8 * g + 64) and panels.numel() == packed.numel() + 2 * ss.numel()
+    assert torch.equal(panels_to_rows(panels, g), packed)
+    assert torch.equal(dequantize_streaming(panels, ss), dequantize_streaming(packed, ss))
+    b = torch.randn(48)
+    for m in (1, 2, 3, 4, 5, 8, 9, 16, 17):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        y, rows = kern.int4_linear(x, panels, ss, g, b).float(), kern.int4_linear(x, packed, ss, g, b).float()
+        assert ((y - rows).abs() <= rows.abs() * 2**-7 + 1e-6).all(), (m, (y - rows).abs().max().item())
+        if kern.has_fast_int6() and m <= 16:
+            one = torch.cat([kern.int4_linear(x[i : i + 1], panels, ss, g, b) for i in range(m)]).float()
+            assert torch.equal(y, one), m
+        else:
+            assert torch.equal(y, rows), m
+        x32 = x.float()
+        assert torch.equal(kern.int4_linear(x32, panels, ss, g, b), kern.int4_linear(x32, packed, ss, g, b))
+    with pytest.raises(RuntimeError, match="panels"):
+        kern.int4_linear(x, panels[:, :, :-1].contiguous(), ss, g, b)
+
+
+def test_int4_layer_streams_panels_with_avx512_vnni():
+    """An int4 layer whose output rows come in sixteens keeps its streaming weight as panels where the kernels
+    stream them (AVX-512 VNNI), else as rows; its output and dequantized weight are the same either way."""
+    from leverlab.layers import cpu_kernels
+
+    layer, w, b = quantized_linear("int4", torch.bfloat16)
+    kern = cpu_kernels.kernels()
+    if kern is None or layer.q4 is None:
+        pytest.skip("no streaming kernels here")
+    assert layer.q4[0].dim() == (3 if kern.has_fast_int6() and layer.out_features % 16 == 0 else 2)
+    w4 = layer.quant_method.dequantize(layer)
+    x = torch.randn(3, layer.in_features).to(torch.bfloat16)
+    expected = x.float() @ w4.t() + b.to(torch.bfloat16).float()
+    layer.stream_rows = 16
+    assert ((layer(x).float() - expected).abs() <= 3e-2 * expected.abs().amax(1, keepdim=True)).all()
+
+
 @pytest.mark.parametrize("k,g", [(256, 64), (384, 64), (1024, 128), (512, 32), (1024, 256)])
 def test_int6_streaming_kernel_paths_agree(k, g):
     """As the int4 test above, for int6 (quant/int6.py): with AVX-512 VNNI the single stream and the quad tiles

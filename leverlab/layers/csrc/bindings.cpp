@@ -57,7 +57,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("bias"), pybind11::arg("quantize_x") = false,
         "y = (x W^T) * s (+ b) for int8 W [N, K], float32 s [N]; streaming for 1..quant_max_rows() rows; "
         "quantize_x: bf16/fp16 x quantized per 32-block for integer dot products");
-  m.def("int4_linear", &int4_linear, "y = x W^T (+ b) for int4 W (packed [N, K/2], fp16 scales and zero points [N, 2, K/g]); streaming for 1..quant_max_rows() rows");
+  m.def("int4_linear", &int4_linear, "y = x W^T (+ b) for int4 W (packed [N, K/2] or panels [N/16, K/g, 8g+64], fp16 scales and zero points [N, 2, K/g]); streaming for 1..quant_max_rows() rows");
   m.def("int6_linear", &int6_linear, "y = x W^T (+ b) for int6 W (packed [N, 3K/4]: int4's layout, then the "
         "high 2 bits; fp16 scales and zero points [N, 2, K/g]); streaming for 1..quant_max_rows() rows");
   m.def("has_fast_int6", &has_fast_int6, "whether int6_linear streams bf16/fp16 rows with integer dot products "

@@ -18,6 +18,8 @@
 // together ([N, 2, G]): at g = 64 that is 4.5 bits per weight, Q4_0's size (float32 s and s z had made it 5,
 // 11% more to read per step). A single stream converts them in registers as a row reaches them (u4_rows); the
 // tiles widen a weight row's once for all their activation rows (widen_scales).
+// With AVX-512 VNNI an int4 model's layers stream panels of 16 weight rows instead (int4_panels_q8 below): the
+// same bytes in another order, with each group's scales inside the stream.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -1175,6 +1177,139 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
 }
 #endif
 
+#if LEVERLAB_QUANT_AVX512
+// ---- int4 in panels of 16 weight rows (AVX-512 VNNI) -------------------------------------------------------
+// quant/int4.py: pack_int4_panels. Rows n .. n + 15 form a panel; per group of g input channels a panel holds
+// g / 8 vectors of 64 bytes, then the 16 rows' fp16 scales and their 16 zero points (64 bytes), so one thread's
+// share is one sequential stream with its scales in it. In vector j of a group, int32 lane r holds row r's
+// channels 8j .. 8j + 3 in its bytes' low nibbles and 8j + 4 .. 8j + 7 in their high ones: one vpdpbusd takes a
+// vector's low nibbles against x's four channels broadcast to every lane (one load, no shuffle), so each lane
+// sums one row's products and a group ends with 16 rows' dot products in one vector. The scales then apply
+// once per group and x-span for all 16 rows (a conversion and an FMA), there is no horizontal sum and no
+// per-quad scale permute: ~5 ops per 128 weights where the quads (u4_row_512) take ~12. Why it matters: the
+// quads, streamed from memory, took about their time hot plus the memory's (session 23), and a standalone pass
+// over the 0.6B shape's int4 body (session 25: 112 matrices, huge pages, 40 rounds alternating) ran hot 1.6x
+// the quads' rate and from memory 1.1x with two threads (~90% of a plain read's rate), ~1.25x with one.
+//
+// Activation rows m0 .. m0 + MG against panel p: out[m] gets the 16 rows' sums (zero points included, no bias).
+// XS: channels per x scale (64 with groups of 64 or more, quantize_q8's span 2; else 32). C: accumulator chains
+// per activation row, so that a single stream keeps four vpdpbusd in flight.
+template <int MG, int XS>
+__attribute__((always_inline)) inline void panel_rows(const uint8_t* p, int64_t G, int64_t g, const QuantizedRows& x,
+                                                      const float* gsum, int64_t G16, int64_t m0, __m512* out) {
+  constexpr int C = MG >= 4 ? 1 : 4 / MG;
+  constexpr int LPS = XS / 8;  // vectors per x span
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const int64_t K = x.K, gb = 8 * g + 64;  // bytes per group of a panel
+  for (int m = 0; m < MG; ++m) out[m] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < G; ++j) {
+    const uint8_t* pg = p + j * gb;
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 8 * g)));
+    const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 8 * g + 32)));
+    for (int64_t c0 = 0; c0 < g; c0 += XS) {  // one x scale each
+      __m512i acc[MG][C];
+      for (int m = 0; m < MG; ++m)
+        for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int l = 0; l < LPS; ++l) {
+        const __m512i v = _mm512_loadu_si512(pg + (c0 / 8 + l) * 64);
+        const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+#pragma GCC unroll 8
+        for (int m = 0; m < MG; ++m) {
+          int32_t x4[2];
+          std::memcpy(x4, x.q + (m0 + m) * K + j * g + c0 + 8 * l, 8);
+          __m512i& a = acc[m][l % C];
+          a = _mm512_dpbusd_epi32(a, lo, _mm512_set1_epi32(x4[0]));
+          a = _mm512_dpbusd_epi32(a, hi, _mm512_set1_epi32(x4[1]));
+        }
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < MG; ++m) {
+        __m512i a = acc[m][0];
+        for (int c = 1; c < C; ++c) a = _mm512_add_epi32(a, acc[m][c]);
+        const float xs = x.scale[(m0 + m) * x.B + (j * g + c0) / 32];
+        out[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(s, _mm512_set1_ps(xs)), out[m]);
+      }
+    }
+    const __m512 sz = _mm512_mul_ps(s, z);  // the zero points' term: s z sum(x) per group (gsum: x's sums, scaled)
+#pragma GCC unroll 8
+    for (int m = 0; m < MG; ++m) out[m] = _mm512_fnmadd_ps(sz, _mm512_set1_ps(gsum[(m0 + m) * G16 + j]), out[m]);
+  }
+}
+
+// y [M, N] = x W^T + b for W in panels (N % 16 == 0, g % 32 == 0); activation rows 8 at a time (up to 8 rows keep
+// their accumulators in registers; more re-read the panel from L1/L2, not from memory).
+template <typename T>
+void int4_panels_q8(const at::Tensor& x, const uint8_t* w, int64_t g, const float* bias, T* y, int64_t N, int64_t K) {
+  static thread_local std::vector<float> gbuf;
+  const int64_t M = x.size(0), G = K / g, bpg = g / 32, G16 = (G + 15) / 16 * 16;
+  const QuantizedRows xq = quantize_q8<T>(x, bpg >= 2 ? 2 : 1);
+  float* gsum = scratch(gbuf, M * G16);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < G; ++j) {
+      float acc = 0.f;
+      for (int64_t b = j * bpg; b < (j + 1) * bpg; ++b) acc += xq.scale[m * xq.B + b] * static_cast<float>(xq.sum[m * xq.B + b]);
+      gsum[m * G16 + j] = acc;
+    }
+  const int64_t pb = G * (8 * g + 64);  // bytes per panel
+  parallel_rows(N, [&](int64_t n0, int64_t n1) {  // chunk bounds are multiples of 64 rows: whole panels
+    for (int64_t n = n0; n < n1; n += 16) {
+      const uint8_t* p = w + (n / 16) * pb;
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        __m512 out[8];
+        const int mg = static_cast<int>(std::min<int64_t>(8, M - m0));
+        auto run = [&](auto c) {
+          constexpr int MG = decltype(c)::value;
+          if (g >= 64) panel_rows<MG, 64>(p, G, g, xq, gsum, G16, m0, out);
+          else panel_rows<MG, 32>(p, G, g, xq, gsum, G16, m0, out);
+        };
+        switch (mg) {
+          case 1: run(std::integral_constant<int, 1>()); break;
+          case 2: run(std::integral_constant<int, 2>()); break;
+          case 3: run(std::integral_constant<int, 3>()); break;
+          case 4: run(std::integral_constant<int, 4>()); break;
+          case 5: run(std::integral_constant<int, 5>()); break;
+          case 6: run(std::integral_constant<int, 6>()); break;
+          case 7: run(std::integral_constant<int, 7>()); break;
+          default: run(std::integral_constant<int, 8>()); break;
+        }
+        const __m512 b = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+        for (int m = 0; m < mg; ++m) {
+          alignas(64) float t[16];
+          _mm512_store_ps(t, _mm512_add_ps(out[m], b));
+          for (int i = 0; i < 16; ++i) y[(m0 + m) * N + n + i] = static_cast<T>(t[i]);
+        }
+      }
+    }
+  });
+}
+#endif
+
+// Panels back to the row layout (pack_int4_streaming's [N, K / 2]), for the paths that read rows: float32
+// activations (exact), more rows than stream, CPUs without AVX-512 VNNI.
+at::Tensor panels_to_rows(const at::Tensor& panels, int64_t N, int64_t K, int64_t g) {
+  const int64_t G = K / g, pb = G * (8 * g + 64);
+  auto rows = at::empty({N, K / 2}, at::kByte);
+  const uint8_t* src = panels.data_ptr<uint8_t>();
+  uint8_t* dst = rows.data_ptr<uint8_t>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* p = src + (n / 16) * pb;
+      const int r = static_cast<int>(n % 16);
+      uint8_t* out = dst + n * (K / 2);
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t j = k / g, c = k % g, v = c / 8, t = c % 8;
+        const uint8_t byte = p[j * (8 * g + 64) + v * 64 + 4 * r + t % 4];
+        const uint8_t q = t < 4 ? byte & 15 : byte >> 4;
+        const int64_t blk = k / 32, i = k % 32;  // row layout: byte i of a block: weights i (low) and 16 + i (high)
+        uint8_t& o = out[blk * 16 + i % 16];
+        o = i < 16 ? static_cast<uint8_t>((o & 0xF0) | q) : static_cast<uint8_t>((o & 0x0F) | (q << 4));
+      }
+    }
+  });
+  return rows;
+}
+
 // The group size and the [N, 2, K / group] fp16 scales and zero points that int4_linear and int6_linear take.
 void check_group_scales(const char* op, int64_t N, int64_t K, int64_t group, const at::Tensor& scales) {
   TORCH_CHECK(group % 32 == 0 && K % group == 0, op, ": the group size is a multiple of 32 dividing K");
@@ -1223,8 +1358,31 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // zero points) -> [M, N] in x's dtype. Up to quant_max_rows() rows stream; more dequantize the weight and
 // take aten's matmul. float32 activations are used as they are (exact against the dequantized weight); bf16/fp16
 // ones, with AVX2, take the integer path.
+// packed may also be panels [N / 16, K / g, 8 g + 64] (pack_int4_panels; scales stay [N, 2, K / g], which the
+// panels repeat): bf16/fp16 rows up to quant_max_rows() stream them on AVX-512 VNNI, the rest take the row layout.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
                        const c10::optional<at::Tensor>& bias) {
+  if (packed.dim() == 3) {
+    TORCH_CHECK(x.dim() == 2 && scales.dim() == 3, "int4_linear: x [M, K], scales [N, 2, K / g]");
+    const int64_t M = x.size(0), N = scales.size(0), K = x.size(1);
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && group % 32 == 0 && K % group == 0 &&
+                    N % 16 == 0 && packed.size(0) == N / 16 && packed.size(1) == K / group &&
+                    packed.size(2) == 8 * group + 64,
+                "int4_linear: panels [N / 16, K / g, 8 g + 64] uint8 (pack_int4_panels)");
+    check_group_scales("int4_linear", N, K, group, scales);
+#if LEVERLAB_QUANT_AVX512
+    if (M <= quant_max_rows() && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf)) {
+      at::Tensor b32;
+      const float* bp = bias_f32(bias, b32);
+      auto y = at::empty({M, N}, x.options());
+      AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "int4_linear", [&] {
+        int4_panels_q8<scalar_t>(x, packed.data_ptr<uint8_t>(), group, bp, y.data_ptr<scalar_t>(), N, K);
+      });
+      return y;
+    }
+#endif
+    return int4_linear(x, panels_to_rows(packed, N, K, group), scales, group, bias);
+  }
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) == 2 * packed.size(1), "int4_linear: x [M, K], w [N, K/2]");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "int4_linear: contiguous uint8 weight");
   const int64_t M = x.size(0), N = packed.size(0), K = x.size(1);
