@@ -35,6 +35,22 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
+def pack_int8_panels(q: torch.Tensor) -> torch.Tensor:
+    """The panel layout of the AVX-512 VNNI kernel (csrc/quant_linear.cpp, int8_panels_q8): [out / 16, in / 32,
+    512] uint8. Rows 16 p .. 16 p + 15 form panel p; per 32-channel block, 8 vectors of 64 bytes, where bytes
+    4 r .. 4 r + 3 of vector j hold row r's channels 4 j .. 4 j + 3, each as q + 128. out % 16 == in % 32 == 0."""
+    out, k = q.shape
+    v = (q.to(torch.int16) + 128).to(torch.uint8).reshape(out // 16, 16, k // 32, 8, 4)
+    return v.permute(0, 2, 3, 1, 4).reshape(out // 16, k // 32, 512).contiguous()
+
+
+def int8_panels_to_rows(panels: torch.Tensor) -> torch.Tensor:
+    """pack_int8_panels' weight as rows ([out, in] int8)."""
+    npan, nb, _ = panels.shape
+    v = panels.reshape(npan, nb, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(npan * 16, nb * 32)
+    return (v.to(torch.int16) - 128).to(torch.int8)
+
+
 STREAMING_MAX_ROWS = 16  # rows up to which our streaming kernels beat the batched GEMMs (csrc: quant_max_rows)
 
 
@@ -99,7 +115,11 @@ class Int8Method(QuantMethod):
         layer.int8_key = None
         # Our streaming kernel (csrc/quant_linear.cpp) serves up to STREAMING_MAX_ROWS rows on the CPU. It needs
         # the plain [out, in] copy.
-        layer.q8 = (q.contiguous(), scales.float().contiguous()) if streaming_kernels(q.device) else None
+        kern = streaming_kernels(q.device)
+        layer.q8 = (q.contiguous(), scales.float().contiguous()) if kern else None
+        if kern and self.quantize_activations and kern.has_fast_int6() and q.shape[0] % 16 == 0 and q.shape[1] % 32 == 0:
+            # AVX-512 VNNI: panels of 16 rows (integer dot products of bf16/fp16 rows; the rest unpack them)
+            layer.q8 = (pack_int8_panels(q), layer.q8[1])
         if self.w8a8_min_rows is not None and use_int8_gemm(layer, layer.params_dtype, q.device):
             layer.int8_key = int8_gemm.pack(layer, q, scales)
             if self.w8a8_min_rows <= 1:  # the packed copy serves every batch size: drop the plain one

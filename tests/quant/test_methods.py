@@ -280,15 +280,56 @@ def test_int4_panels_are_the_row_layout_in_another_order(k, g):
         kern.int4_linear(x, panels[:, :, :-1].contiguous(), ss, g, b)
 
 
-def test_int4_layer_streams_panels_with_avx512_vnni():
-    """An int4 layer whose output rows come in sixteens keeps its streaming weight as panels where the kernels
-    stream them (AVX-512 VNNI), else as rows; its output and dequantized weight are the same either way."""
+def test_int8_panels_are_the_row_layout_in_another_order():
+    """pack_int8_panels (16 weight rows interleaved per 32-channel block, stored as q + 128) holds the same weight:
+    it unpacks to it exactly; with bf16/fp16 activations quantized (AVX-512 VNNI) every row count 1..16 gives
+    the row layout's results to one output step, each output row bit for bit what that row alone gives; the
+    other paths (weight-only, float32, more rows than stream) are the row layout's, exactly."""
+    from leverlab.layers import cpu_kernels
+    from leverlab.quant.int8 import int8_panels_to_rows, pack_int8_panels
+
+    kern = cpu_kernels.kernels()
+    if kern is None:
+        pytest.skip("no C++ kernels here")
+    torch.manual_seed(0)
+    for n, k in ((16, 32), (48, 1056), (32, 2048)):
+        w, s, b = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) / 100, torch.randn(n)
+        panels = pack_int8_panels(w)
+        assert panels.shape == (n // 16, k // 32, 512) and torch.equal(int8_panels_to_rows(panels), w)
+        for m in (1, 2, 3, 5, 8, 9, 16, 17):
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                x = (torch.randn(m, k) * 2).to(dtype)
+                for quantize_x in (True, False):
+                    y = kern.int8_linear(x, panels, s, b, quantize_x).float()
+                    rows = kern.int8_linear(x, w, s, b, quantize_x).float()
+                    streamed = quantize_x and dtype != torch.float32 and m <= 16 and kern.has_fast_int6()
+                    if not streamed:
+                        assert torch.equal(y, rows), (n, k, m, dtype, quantize_x)
+                        continue
+                    assert ((y - rows).abs() <= rows.abs() * 2**-7 + 1e-3).all(), (m, (y - rows).abs().max().item())
+                    one = torch.cat([kern.int8_linear(x[i : i + 1], panels, s, b, True) for i in range(m)]).float()
+                    assert torch.equal(y, one), (n, k, m, dtype)
+    with pytest.raises(RuntimeError, match="panels"):
+        kern.int8_linear(x, panels[:, :, :-1].contiguous(), s, b, True)
+
+
+def test_quantized_layers_stream_panels_with_avx512_vnni():
+    """int8 (activations quantized) and int4 layers whose output rows come in sixteens keep their streaming weight
+    as panels where the kernels stream them (AVX-512 VNNI), else as rows; weight-only int8 keeps rows. Their
+    outputs are the dequantized weight's product either way."""
     from leverlab.layers import cpu_kernels
 
-    layer, w, b = quantized_linear("int4", torch.bfloat16)
     kern = cpu_kernels.kernels()
-    if kern is None or layer.q4 is None:
+    if kern is None:
         pytest.skip("no streaming kernels here")
+    layer8, w, b = quantized_linear("int8", torch.bfloat16)
+    woq, _, _ = quantized_linear("int8-woq", torch.bfloat16)
+    assert layer8.q8[0].dim() == (3 if kern.has_fast_int6() else 2) and woq.q8[0].dim() == 2  # (weight-only: rows)
+    x = torch.randn(3, layer8.in_features).to(torch.bfloat16)
+    expected = x.float() @ layer8.quant_method.dequantize(layer8).t() + b.to(torch.bfloat16).float()
+    layer8.stream_rows = 16
+    assert ((layer8(x).float() - expected).abs() <= 3e-2 * expected.abs().amax(1, keepdim=True)).all()
+    layer, w, b = quantized_linear("int4", torch.bfloat16)
     assert layer.q4[0].dim() == (3 if kern.has_fast_int6() and layer.out_features % 16 == 0 else 2)
     w4 = layer.quant_method.dequantize(layer)
     x = torch.randn(3, layer.in_features).to(torch.bfloat16)

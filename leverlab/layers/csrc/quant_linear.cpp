@@ -1310,6 +1310,96 @@ at::Tensor panels_to_rows(const at::Tensor& panels, int64_t N, int64_t K, int64_
   return rows;
 }
 
+#if LEVERLAB_QUANT_AVX512
+// ---- int8 in panels of 16 weight rows (AVX-512 VNNI) -------------------------------------------------------
+// quant/int8.py: pack_int8_panels. Rows n .. n + 15 form a panel; per 32-channel block a panel holds 8 vectors of
+// 64 bytes, int32 lane r of vector j holding row r's channels 4j .. 4j + 3, each stored as w + 128 (0..255), so
+// that vpdpbusd (unsigned x signed) takes it against x's four channels broadcast: sum (w + 128) x = sum w x +
+// 128 sum x, and the block's integer sum of x (quantize_q8) takes the offset back out exactly. Per 64 bytes a
+// load and one vpdpbusd, where the row layout's pairs (i8_row_512) take ~9 ops (|w|, x with w's sign, the
+// conversion and FMA per pair, x's loads); the block's conversion and FMA serve 16 rows. Same reasons and
+// shape as int4's panels (panel_rows above): one stream per thread, no horizontal sums, and each output row's
+// value independent of how many activation rows come with it.
+template <int MG>
+__attribute__((always_inline)) inline void panel_rows_i8(const uint8_t* p, const QuantizedRows& x, int64_t m0,
+                                                         __m512* out) {
+  constexpr int C = MG >= 4 ? 1 : 4 / MG;
+  const int64_t K = x.K;
+  for (int m = 0; m < MG; ++m) out[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.B; ++b) {
+    const uint8_t* pb = p + b * 512;
+    __m512i acc[MG][C];
+    for (int m = 0; m < MG; ++m)
+      for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int l = 0; l < 8; ++l) {
+      const __m512i v = _mm512_loadu_si512(pb + l * 64);
+#pragma GCC unroll 8
+      for (int m = 0; m < MG; ++m) {
+        int32_t x4;
+        std::memcpy(&x4, x.q + (m0 + m) * K + b * 32 + 4 * l, 4);
+        acc[m][l % C] = _mm512_dpbusd_epi32(acc[m][l % C], v, _mm512_set1_epi32(x4));
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MG; ++m) {
+      __m512i a = acc[m][0];
+      for (int c = 1; c < C; ++c) a = _mm512_add_epi32(a, acc[m][c]);
+      a = _mm512_sub_epi32(a, _mm512_set1_epi32(128 * x.sum[(m0 + m) * x.B + b]));
+      out[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(x.scale[(m0 + m) * x.B + b]), out[m]);
+    }
+  }
+}
+
+// y [M, N] = x W^T * scale + b for W in panels (N % 16 == 0, K % 32 == 0), activation rows 8 at a time.
+template <typename T>
+void int8_panels_q8(const at::Tensor& x, const uint8_t* w, const float* scale, const float* bias, T* y, int64_t N,
+                    int64_t K) {
+  const int64_t M = x.size(0);
+  const QuantizedRows xq = quantize_q8<T>(x);
+  parallel_rows(N, [&](int64_t n0, int64_t n1) {  // chunk bounds are multiples of 64 rows: whole panels
+    for (int64_t n = n0; n < n1; n += 16) {
+      const uint8_t* p = w + n * K;  // a panel is 16 K bytes
+      const __m512 s = _mm512_loadu_ps(scale + n);
+      const __m512 b = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        __m512 out[8];
+        const int mg = static_cast<int>(std::min<int64_t>(8, M - m0));
+        switch (mg) {
+          case 1: panel_rows_i8<1>(p, xq, m0, out); break;
+          case 2: panel_rows_i8<2>(p, xq, m0, out); break;
+          case 3: panel_rows_i8<3>(p, xq, m0, out); break;
+          case 4: panel_rows_i8<4>(p, xq, m0, out); break;
+          case 5: panel_rows_i8<5>(p, xq, m0, out); break;
+          case 6: panel_rows_i8<6>(p, xq, m0, out); break;
+          case 7: panel_rows_i8<7>(p, xq, m0, out); break;
+          default: panel_rows_i8<8>(p, xq, m0, out); break;
+        }
+        for (int m = 0; m < mg; ++m) {
+          alignas(64) float t[16];
+          _mm512_store_ps(t, _mm512_fmadd_ps(out[m], s, b));
+          for (int i = 0; i < 16; ++i) y[(m0 + m) * N + n + i] = static_cast<T>(t[i]);
+        }
+      }
+    }
+  });
+}
+#endif
+
+// int8 panels back to rows ([N, K] int8), for the paths that read rows (float32 or weight-only activations, more
+// rows than stream, CPUs without AVX-512 VNNI).
+at::Tensor int8_panels_to_rows(const at::Tensor& panels, int64_t N, int64_t K) {
+  auto rows = at::empty({N, K}, at::kChar);
+  const uint8_t* src = panels.data_ptr<uint8_t>();
+  int8_t* dst = rows.data_ptr<int8_t>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t k = 0; k < K; ++k)
+        dst[n * K + k] = static_cast<int8_t>(src[(n / 16) * 16 * K + (k / 32) * 512 + ((k % 32) / 4) * 64 + (n % 16) * 4 + k % 4] ^ 0x80);
+  });
+  return rows;
+}
+
 // The group size and the [N, 2, K / group] fp16 scales and zero points that int4_linear and int6_linear take.
 void check_group_scales(const char* op, int64_t N, int64_t K, int64_t group, const at::Tensor& scales) {
   TORCH_CHECK(group % 32 == 0 && K % group == 0, op, ": the group size is a multiple of 32 dividing K");
@@ -1326,8 +1416,30 @@ constexpr bool kHalfWidth = std::is_same_v<T, at::BFloat16> || std::is_same_v<T,
 // x [M, K] (float32 / bf16 / fp16), w [N, K] int8, scale [N] float32, bias [N] or none -> [M, N] in x's dtype.
 // Streams for up to quant_max_rows() rows; above that, aten's matmul on the dequantized weight. quantize_x: bf16/fp16
 // activations take the integer path (per-32-block int8 activations; needs K % 32 == 0), else the weight-only one.
+// w may also be panels [N / 16, K / 32, 512] uint8 (pack_int8_panels): bf16/fp16 rows up to quant_max_rows() with
+// quantize_x stream them on AVX-512 VNNI, the rest take the row layout.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias, bool quantize_x) {
+  if (w.dim() == 3) {
+    TORCH_CHECK(x.dim() == 2 && scale.scalar_type() == at::kFloat && scale.is_contiguous(), "int8_linear: x [M, K], float32 scale [N]");
+    const int64_t M = x.size(0), N = scale.numel(), K = x.size(1);
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && N % 16 == 0 && K % 32 == 0 &&
+                    w.size(0) == N / 16 && w.size(1) == K / 32 && w.size(2) == 512,
+                "int8_linear: panels [N / 16, K / 32, 512] uint8 (pack_int8_panels)");
+#if LEVERLAB_QUANT_AVX512
+    if (quantize_x && M <= quant_max_rows() && x.stride(1) == 1 &&
+        (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf)) {
+      at::Tensor b32;
+      const float* bp = bias_f32(bias, b32);
+      auto y = at::empty({M, N}, x.options());
+      AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "int8_linear", [&] {
+        int8_panels_q8<scalar_t>(x, w.data_ptr<uint8_t>(), scale.data_ptr<float>(), bp, y.data_ptr<scalar_t>(), N, K);
+      });
+      return y;
+    }
+#endif
+    return int8_linear(x, int8_panels_to_rows(w, N, K), scale, bias, quantize_x);
+  }
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "int8_linear: x [M, K], w [N, K]");
   TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous(), "int8_linear: contiguous int8 weight");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == w.size(0), "int8_linear: float32 scale [N]");
