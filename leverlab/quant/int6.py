@@ -8,7 +8,8 @@ most precision-sensitive output, so llama.cpp's Q4_0 files keep it in Q6_K (6.56
 Kernels (layers/csrc/quant_linear.cpp, int6_linear): per 128 weights, 64 bytes of low nibbles in int4's layout
 (pack_int4_streaming) and 32 of high 2 bits, side by side, so that one decode pass reads each row front to back.
 bf16/fp16 activations (quantized per 64, as int4's with groups of 64) up to 16 rows take the int4 kernel's
-AVX-512 VNNI loops with a load and four ops more per 128 weights (has_fast_int6); elsewhere, and for float32
+AVX-512 VNNI loops with a load and four ops more per 128 weights (has_fast_int6; rows in sixteens as panels,
+pack_int6_panels); elsewhere, and for float32
 activations, a plain loop that is exact against the dequantized weight. More rows take fbgemm's int8 GEMM over
 an int8 copy, as int4 does (int8_gemm.py). No GPU kernel: on other devices the weight is held dequantized
 (unmeasured).
@@ -21,7 +22,7 @@ import torch
 from leverlab.errors import UnsupportedLever
 from leverlab.quant import int8_gemm
 from leverlab.quant.base import QuantMethod, flatten, set_param
-from leverlab.quant.int4 import INT4_GROUP_SIZES, pack_int4_streaming, quantize_groups
+from leverlab.quant.int4 import INT4_GROUP_SIZES, pack_int4_panels, pack_int4_streaming, quantize_groups
 from leverlab.quant.int8 import STREAMING_MAX_ROWS, quantize_int8, streaming_kernels, use_int8_gemm
 
 QUAD = 128  # weights per quad: the kernel's step, and the high-bit plane's unit (32 bytes)
@@ -52,8 +53,40 @@ def pack_int6_streaming(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     return quads.reshape(out, 3 * k // 4).contiguous(), ss
 
 
+def pack_int6_panels(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The panel layout of the AVX-512 VNNI kernel (csrc/quant_linear.cpp, int4_panels_q8 with SIX): [out / 16,
+    in / g, 12 g + 64] uint8. As pack_int4_panels for the low 4 bits, each 64-byte vector followed by 32 bytes of
+    high 2 bits: byte t holds those of the low-nibble weights at bytes t and 32 + t (bits 0-1, 4-5) and of the
+    high-nibble ones (bits 2-3, 6-7); then the group's 16 fp16 scales and 16 zero points. out % 16 == 0."""
+    out, k = q.shape
+    g, ng = group_size, k // group_size
+    q = q.to(torch.uint8)
+    nib = pack_int4_panels(q & 15, scales, zeros, g)
+    vec = nib[:, :, : 8 * g].reshape(out // 16, ng, g // 8, 64)
+    h = (q >> 4).reshape(out // 16, 16, ng, g // 8, 2, 4).permute(0, 2, 3, 4, 1, 5).reshape(out // 16, ng, g // 8, 2, 64)
+    lo, hi = h[..., 0, :], h[..., 1, :]  # the high bits of the vector's low-nibble and high-nibble weights, by byte
+    plane = lo[..., :32] | (hi[..., :32] << 2) | (lo[..., 32:] << 4) | (hi[..., 32:] << 6)
+    weights = torch.cat([vec, plane], dim=3).reshape(out // 16, ng, 12 * g)
+    return torch.cat([weights, nib[:, :, 8 * g :]], dim=2).contiguous()
+
+
+def int6_panels_to_q(panels: torch.Tensor, group_size: int) -> torch.Tensor:
+    """q uint8 [out, in] from pack_int6_panels' bytes."""
+    npan, ng, _ = panels.shape
+    g = group_size
+    vec = panels[:, :, : 12 * g].reshape(npan, ng, g // 8, 96)
+    nib, plane = vec[..., :64].reshape(npan, ng, g // 8, 16, 4), vec[..., 64:]
+    low = torch.stack([nib & 15, nib >> 4], dim=3)  # [panel, group, vector, half, row, t]
+    f = [(plane >> s) & 3 for s in (0, 2, 4, 6)]  # lo bytes < 32, hi bytes < 32, lo bytes >= 32, hi bytes >= 32
+    high = torch.stack([torch.cat([f[0], f[2]], dim=3), torch.cat([f[1], f[3]], dim=3)], dim=3)
+    q = low | (high.reshape(npan, ng, g // 8, 2, 16, 4) << 4)
+    return q.permute(0, 4, 1, 2, 3, 5).reshape(npan * 16, ng * g)
+
+
 def unpack_int6_streaming(packed: torch.Tensor) -> torch.Tensor:
-    """q uint8 [out, in] from pack_int6_streaming's rows."""
+    """q uint8 [out, in] from pack_int6_streaming's rows (or pack_int6_panels' panels)."""
+    if packed.dim() == 3:
+        return int6_panels_to_q(packed, (packed.shape[2] - 64) // 12)
     out, k = packed.shape[0], packed.shape[1] * 4 // 3
     quads = packed.reshape(out, k // QUAD, 96)
     p = quads[..., :64].reshape(out, k // 32, 16)
@@ -66,7 +99,8 @@ def unpack_int6_streaming(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_int6_streaming(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The float32 [out, in] weight that pack_int6_streaming's (packed, scales) encode: (q - z) * s."""
+    """The float32 [out, in] weight that pack_int6_streaming's (packed, scales) encode: (q - z) * s. packed may be
+    panels (pack_int6_panels)."""
     q = unpack_int6_streaming(packed).float()
     out, ng = scales.shape[0], scales.shape[2]
     s = scales.float()
@@ -98,10 +132,14 @@ class Int6Method(QuantMethod):
                              f"group size {self.group_size}")
 
     def process_weights_after_loading(self, layer) -> None:
-        packed, ss = pack_int6_streaming(*quantize_int6(layer.weight.data, self.group_size), self.group_size)
+        q, s, z = quantize_int6(layer.weight.data, self.group_size)
+        packed, ss = pack_int6_streaming(q, s, z, self.group_size)
         dev = layer.weight.device
         set_param(layer, "weight", None)
-        layer.q6 = (packed, ss) if streaming_kernels(dev) is not None else None
+        kern = streaming_kernels(dev)
+        layer.q6 = (packed, ss) if kern is not None else None
+        if kern is not None and kern.has_fast_int6() and layer.out_features % 16 == 0:  # panels of 16 rows
+            layer.q6 = (pack_int6_panels(q, s, z, self.group_size), ss)
         layer.int8_key = None
         layer.dense = None
         if use_int8_gemm(layer, layer.params_dtype, dev):  # the batched rows' copy (Int4Method's docstring)
@@ -135,10 +173,12 @@ class Int6Method(QuantMethod):
 
     def bytes_read(self, layer, rows: int) -> int:
         bias = layer.bias.numel() * layer.bias.element_size() if layer.bias is not None else 0
+        streamed = layer.q6[0].numel() + (0 if layer.q6[0].dim() == 3 else layer.q6[1].numel() * 2) \
+            if layer.q6 is not None else 0  # (panels carry their scales)
         if layer.q6 is not None and rows <= getattr(layer, "stream_rows", STREAMING_MAX_ROWS):
-            return layer.q6[0].numel() + layer.q6[1].numel() * 2 + bias
+            return streamed + bias
         if layer.int8_key is not None and rows >= self.w8a8_min_rows:
             return layer.out_features * (layer.in_features + 4) + bias
         if layer.q6 is not None:
-            return layer.q6[0].numel() + layer.q6[1].numel() * 2 + bias
+            return streamed + bias
         return layer.dense.numel() * layer.dense.element_size() + bias

@@ -8,8 +8,9 @@ Kernels, CPU:
   (1 byte per weight) next to fbgemm's packed one. With bf16/fp16 activations `int8` quantizes them per
   32-element block and takes integer dot products (llama.cpp's q8_0 x q8_0 arithmetic: one rounding of each
   activation, at most half a step of its block's max|x| / 127); widening each weight to float instead left the
-  kernel compute-bound at about a third of that speed on a small model. `int8-woq` keeps the activations as
-  they are (weight-only, the float path).
+  kernel compute-bound at about a third of that speed on a small model. With AVX-512 VNNI that copy is held as
+  panels of 16 rows (pack_int8_panels: a load and one vpdpbusd per 64 bytes). `int8-woq` keeps the activations
+  as they are (weight-only, the float path, on rows).
   More rows, bf16/fp16, from `w8a8_min_rows` rows on (default 1: always): fbgemm's int8 x int8 GEMM
   (int8_gemm.py) with the activations quantized per row on the fly (W8A8); on the bundled model it moved
   perplexity by under 0.01% (docs/quantization.md).

@@ -280,6 +280,42 @@ def test_int4_panels_are_the_row_layout_in_another_order(k, g):
         kern.int4_linear(x, panels[:, :, :-1].contiguous(), ss, g, b)
 
 
+@pytest.mark.parametrize("k,g", [(128, 32), (384, 64), (1024, 128), (512, 256)])
+def test_int6_panels_are_the_row_layout_in_another_order(k, g):
+    """pack_int6_panels (int4's panels, each vector followed by its weights' high 2 bits) holds the same weight as
+    the int6 rows: both unpack to the same q; bf16 rows 1..16 through its kernel (AVX-512 VNNI) give the rows'
+    results to one bf16 step and each output row bit for bit what that row alone gives; float32 activations and
+    17 rows take the rows' paths exactly."""
+    from leverlab.layers import cpu_kernels
+    from leverlab.quant.int6 import (
+        pack_int6_panels,
+        pack_int6_streaming,
+        quantize_int6,
+        unpack_int6_streaming,
+    )
+
+    kern = cpu_kernels.kernels()
+    if kern is None:
+        pytest.skip("no C++ kernels here")
+    torch.manual_seed(k + g)
+    q, s, z = quantize_int6(torch.randn(32, k) * 0.05, g)
+    packed, ss = pack_int6_streaming(q, s, z, g)
+    panels = pack_int6_panels(q, s, z, g)
+    assert panels.shape == (2, k // g, 12 * g + 64) and panels.numel() == packed.numel() + 2 * ss.numel()
+    assert torch.equal(unpack_int6_streaming(panels), q) and torch.equal(unpack_int6_streaming(packed), q)
+    b = torch.randn(32)
+    for m in (1, 2, 3, 8, 9, 16, 17):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        y, rows = kern.int6_linear(x, panels, ss, g, b).float(), kern.int6_linear(x, packed, ss, g, b).float()
+        if kern.has_fast_int6() and m <= 16:
+            assert ((y - rows).abs() <= rows.abs() * 2**-7 + 1e-6).all(), (m, (y - rows).abs().max().item())
+            one = torch.cat([kern.int6_linear(x[i : i + 1], panels, ss, g, b) for i in range(m)]).float()
+            assert torch.equal(y, one), m
+        else:
+            assert torch.equal(y, rows), m
+        assert torch.equal(kern.int6_linear(x.float(), panels, ss, g, b), kern.int6_linear(x.float(), packed, ss, g, b))
+
+
 def test_int8_panels_are_the_row_layout_in_another_order():
     """pack_int8_panels (16 weight rows interleaved per 32-channel block, stored as q + 128) holds the same weight:
     it unpacks to it exactly; with bf16/fp16 activations quantized (AVX-512 VNNI) every row count 1..16 gives
@@ -314,9 +350,9 @@ def test_int8_panels_are_the_row_layout_in_another_order():
 
 
 def test_quantized_layers_stream_panels_with_avx512_vnni():
-    """int8 (activations quantized) and int4 layers whose output rows come in sixteens keep their streaming weight
-    as panels where the kernels stream them (AVX-512 VNNI), else as rows; weight-only int8 keeps rows. Their
-    outputs are the dequantized weight's product either way."""
+    """int8 (activations quantized), int4 and int6 layers whose output rows come in sixteens keep their streaming
+    weight as panels where the kernels stream them (AVX-512 VNNI), else as rows; weight-only int8 keeps rows.
+    Their outputs are the dequantized weight's product either way."""
     from leverlab.layers import cpu_kernels
 
     kern = cpu_kernels.kernels()
@@ -329,6 +365,8 @@ def test_quantized_layers_stream_panels_with_avx512_vnni():
     expected = x.float() @ layer8.quant_method.dequantize(layer8).t() + b.to(torch.bfloat16).float()
     layer8.stream_rows = 16
     assert ((layer8(x).float() - expected).abs() <= 3e-2 * expected.abs().amax(1, keepdim=True)).all()
+    layer6, _, _ = quantized_linear("int6", torch.bfloat16)
+    assert layer6.q6[0].dim() == (3 if kern.has_fast_int6() else 2)
     layer, w, b = quantized_linear("int4", torch.bfloat16)
     assert layer.q4[0].dim() == (3 if kern.has_fast_int6() and layer.out_features % 16 == 0 else 2)
     w4 = layer.quant_method.dequantize(layer)

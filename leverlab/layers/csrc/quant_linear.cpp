@@ -1194,26 +1194,48 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
 // Activation rows m0 .. m0 + MG against panel p: out[m] gets the 16 rows' sums (zero points included, no bias).
 // XS: channels per x scale (64 with groups of 64 or more, quantize_q8's span 2; else 32). C: accumulator chains
 // per activation row, so that a single stream keeps four vpdpbusd in flight.
-template <int MG, int XS>
+//
+// SIX: int6 panels (pack_int6_panels): each 64-byte vector of low nibbles is followed by 32 bytes of the weights'
+// high 2 bits, byte t holding those of the low-nibble weights at bytes t and 32 + t (bits 0-1, 4-5) and of the
+// high-nibble ones (bits 2-3, 6-7); broadcast to both halves, one 32-bit rotate per vector (by lane half) brings
+// each byte's field to bits 4-5, and one vpternlog merges it in. Products stay small (4 * 63 * 127 a lane).
+template <bool SIX>
+__attribute__((always_inline)) inline void panel_unpack(const uint8_t* pv, __m512i& lo, __m512i& hi) {
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m512i v = _mm512_loadu_si512(pv);
+  lo = _mm512_and_si512(v, nib);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+  if constexpr (SIX) {
+    const __m512i u = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pv + 64)));
+    const __m512i bits45 = _mm512_set1_epi8(0x30);
+    // right rotations of each dword: 28 (left 4) takes bits 0-1 to 4-5, 0 keeps 4-5, 30 (left 2) takes 2-3, 2 takes 6-7
+    const __m512i rot_lo = _mm512_inserti64x4(_mm512_set1_epi32(28), _mm256_set1_epi32(0), 1);
+    const __m512i rot_hi = _mm512_inserti64x4(_mm512_set1_epi32(30), _mm256_set1_epi32(2), 1);
+    lo = _mm512_ternarylogic_epi32(lo, _mm512_rorv_epi32(u, rot_lo), bits45, 0xF8);  // a | (b & c)
+    hi = _mm512_ternarylogic_epi32(hi, _mm512_rorv_epi32(u, rot_hi), bits45, 0xF8);
+  }
+}
+
+template <int MG, int XS, bool SIX>
 __attribute__((always_inline)) inline void panel_rows(const uint8_t* p, int64_t G, int64_t g, const QuantizedRows& x,
                                                       const float* gsum, int64_t G16, int64_t m0, __m512* out) {
   constexpr int C = MG >= 4 ? 1 : 4 / MG;
   constexpr int LPS = XS / 8;  // vectors per x span
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  const int64_t K = x.K, gb = 8 * g + 64;  // bytes per group of a panel
+  constexpr int VB = SIX ? 96 : 64;  // bytes per vector of 128 weights
+  const int64_t K = x.K, wb = g / 8 * VB, gb = wb + 64;  // a group's weight bytes, and with its scales
   for (int m = 0; m < MG; ++m) out[m] = _mm512_setzero_ps();
   for (int64_t j = 0; j < G; ++j) {
     const uint8_t* pg = p + j * gb;
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 8 * g)));
-    const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 8 * g + 32)));
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + wb)));
+    const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + wb + 32)));
     for (int64_t c0 = 0; c0 < g; c0 += XS) {  // one x scale each
       __m512i acc[MG][C];
       for (int m = 0; m < MG; ++m)
         for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int l = 0; l < LPS; ++l) {
-        const __m512i v = _mm512_loadu_si512(pg + (c0 / 8 + l) * 64);
-        const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        __m512i lo, hi;
+        panel_unpack<SIX>(pg + (c0 / 8 + l) * VB, lo, hi);
 #pragma GCC unroll 8
         for (int m = 0; m < MG; ++m) {
           int32_t x4[2];
@@ -1238,8 +1260,8 @@ __attribute__((always_inline)) inline void panel_rows(const uint8_t* p, int64_t 
 }
 
 // y [M, N] = x W^T + b for W in panels (N % 16 == 0, g % 32 == 0); activation rows 8 at a time (up to 8 rows keep
-// their accumulators in registers; more re-read the panel from L1/L2, not from memory).
-template <typename T>
+// their accumulators in registers; more re-read the panel from L1/L2, not from memory). SIX: int6 panels.
+template <typename T, bool SIX = false>
 void int4_panels_q8(const at::Tensor& x, const uint8_t* w, int64_t g, const float* bias, T* y, int64_t N, int64_t K) {
   static thread_local std::vector<float> gbuf;
   const int64_t M = x.size(0), G = K / g, bpg = g / 32, G16 = (G + 15) / 16 * 16;
@@ -1251,7 +1273,7 @@ void int4_panels_q8(const at::Tensor& x, const uint8_t* w, int64_t g, const floa
       for (int64_t b = j * bpg; b < (j + 1) * bpg; ++b) acc += xq.scale[m * xq.B + b] * static_cast<float>(xq.sum[m * xq.B + b]);
       gsum[m * G16 + j] = acc;
     }
-  const int64_t pb = G * (8 * g + 64);  // bytes per panel
+  const int64_t pb = G * (g / 8 * (SIX ? 96 : 64) + 64);  // bytes per panel
   parallel_rows(N, [&](int64_t n0, int64_t n1) {  // chunk bounds are multiples of 64 rows: whole panels
     for (int64_t n = n0; n < n1; n += 16) {
       const uint8_t* p = w + (n / 16) * pb;
@@ -1260,8 +1282,8 @@ void int4_panels_q8(const at::Tensor& x, const uint8_t* w, int64_t g, const floa
         const int mg = static_cast<int>(std::min<int64_t>(8, M - m0));
         auto run = [&](auto c) {
           constexpr int MG = decltype(c)::value;
-          if (g >= 64) panel_rows<MG, 64>(p, G, g, xq, gsum, G16, m0, out);
-          else panel_rows<MG, 32>(p, G, g, xq, gsum, G16, m0, out);
+          if (g >= 64) panel_rows<MG, 64, SIX>(p, G, g, xq, gsum, G16, m0, out);
+          else panel_rows<MG, 32, SIX>(p, G, g, xq, gsum, G16, m0, out);
         };
         switch (mg) {
           case 1: run(std::integral_constant<int, 1>()); break;
@@ -1385,6 +1407,35 @@ void int8_panels_q8(const at::Tensor& x, const uint8_t* w, const float* scale, c
   });
 }
 #endif
+
+// int6 panels (pack_int6_panels) back to int6 rows (pack_int6_streaming's [N, 3K / 4]: u6_at's layout).
+at::Tensor int6_panels_to_rows(const at::Tensor& panels, int64_t N, int64_t K, int64_t g) {
+  const int64_t G = K / g, gb = g / 8 * 96 + 64, pb = G * gb;
+  auto rows = at::zeros({N, 3 * K / 4}, at::kByte);
+  const uint8_t* src = panels.data_ptr<uint8_t>();
+  uint8_t* dst = rows.data_ptr<uint8_t>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* p = src + (n / 16) * pb;
+      const int r = static_cast<int>(n % 16);
+      uint8_t* out = dst + n * (3 * K / 4);
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t j = k / g, c = k % g, v = c / 8, t = c % 8;
+        const uint8_t* pv = p + j * gb + v * 96;
+        const int byte = 4 * r + t % 4;  // in the vector; t < 4: its low nibble, else its high one
+        const uint8_t plane = pv[64 + byte % 32];
+        const int field = (t < 4 ? 0 : 2) + (byte < 32 ? 0 : 4);
+        const int q = (t < 4 ? pv[byte] & 15 : pv[byte] >> 4) | (((plane >> field) & 3) << 4);
+        // u6_at's position of weight k in the row layout
+        const int64_t i = k % 32, lane = 16 * ((k % 128) / 32) + i % 16;
+        uint8_t* quad = out + (k / 128) * 96;
+        quad[((k % 128) / 32) * 16 + i % 16] |= static_cast<uint8_t>(i < 16 ? q & 15 : (q & 15) << 4);
+        quad[64 + lane % 32] |= static_cast<uint8_t>((q >> 4) << ((i < 16 ? 0 : 4) + (lane < 32 ? 0 : 2)));
+      }
+    }
+  });
+  return rows;
+}
 
 // int8 panels back to rows ([N, K] int8), for the paths that read rows (float32 or weight-only activations, more
 // rows than stream, CPUs without AVX-512 VNNI).
@@ -1592,8 +1643,30 @@ bool has_fast_int6() {
 // x [M, K], packed [N, 3K/4] uint8 (u6_at's layout), scales [N, 2, K / g] fp16 -> [M, N] in x's dtype. bf16/fp16
 // rows stream with integer dot products on AVX-512 VNNI where K % 128 == 0 (has_fast_int6), up to
 // quant_max_rows() of them; more take aten's matmul on the dequantized weight; the rest the plain path.
+// packed may also be panels [N / 16, K / g, 12 g + 64] (pack_int6_panels), streamed as int4's panels are.
 at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
                        const c10::optional<at::Tensor>& bias) {
+  if (packed.dim() == 3) {
+    TORCH_CHECK(x.dim() == 2 && scales.dim() == 3, "int6_linear: x [M, K], scales [N, 2, K / g]");
+    const int64_t M = x.size(0), N = scales.size(0), K = x.size(1);
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && group % 32 == 0 && K % group == 0 &&
+                    K % 128 == 0 && N % 16 == 0 && packed.size(0) == N / 16 && packed.size(1) == K / group &&
+                    packed.size(2) == 12 * group + 64,
+                "int6_linear: panels [N / 16, K / g, 12 g + 64] uint8 (pack_int6_panels)");
+    check_group_scales("int6_linear", N, K, group, scales);
+#if LEVERLAB_QUANT_AVX512
+    if (M <= quant_max_rows() && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf)) {
+      at::Tensor b32;
+      const float* bp = bias_f32(bias, b32);
+      auto y = at::empty({M, N}, x.options());
+      AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "int6_linear", [&] {
+        int4_panels_q8<scalar_t, true>(x, packed.data_ptr<uint8_t>(), group, bp, y.data_ptr<scalar_t>(), N, K);
+      });
+      return y;
+    }
+#endif
+    return int6_linear(x, int6_panels_to_rows(packed, N, K, group), scales, group, bias);
+  }
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) % 128 == 0 && 3 * x.size(1) == 4 * packed.size(1),
               "int6_linear: x [M, K], w [N, 3K/4], K a multiple of 128");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "int6_linear: contiguous uint8 weight");
