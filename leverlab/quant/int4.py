@@ -199,7 +199,9 @@ class Int4Method(QuantMethod):
         kern = streaming_kernels(q.device)
         if kern is not None and getattr(layer, "q_perm", None) is None:
             layer.q4 = (packed, ss)
-            if q.shape[0] % 16 == 0 and kern.has_fast_int6():  # AVX-512 VNNI: panels of 16 rows (one stream)
+            if q.shape[0] % 16 == 0 and kern.has_fast_int6() and dtype in (torch.bfloat16, torch.float16):
+                # AVX-512 VNNI: panels of 16 rows (one stream), where their integer path runs (bf16/fp16
+                # activations; float32 ones would unpack them at every call)
                 layer.q4 = (pack_int4_panels(q, s, z, self.group_size), ss)
         layer.int8_key = None
         from leverlab.quant.int8 import quantize_int8, use_int8_gemm

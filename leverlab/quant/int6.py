@@ -138,7 +138,8 @@ class Int6Method(QuantMethod):
         set_param(layer, "weight", None)
         kern = streaming_kernels(dev)
         layer.q6 = (packed, ss) if kern is not None else None
-        if kern is not None and kern.has_fast_int6() and layer.out_features % 16 == 0:  # panels of 16 rows
+        if (kern is not None and kern.has_fast_int6() and layer.out_features % 16 == 0
+                and layer.params_dtype in (torch.bfloat16, torch.float16)):  # panels of 16 rows, as int4's
             layer.q6 = (pack_int6_panels(q, s, z, self.group_size), ss)
         layer.int8_key = None
         layer.dense = None

@@ -114,12 +114,13 @@ class Int8Method(QuantMethod):
             q, scales = quantize_int8(layer.weight.data)
             set_param(layer, "weight", None)
         layer.int8_key = None
-        # Our streaming kernel (csrc/quant_linear.cpp) serves up to STREAMING_MAX_ROWS rows on the CPU. It needs
-        # the plain [out, in] copy.
+        # Our streaming kernel (csrc/quant_linear.cpp) serves up to STREAMING_MAX_ROWS rows on the CPU from its
+        # own copy: the plain [out, in] one, or with AVX-512 VNNI panels of 16 rows where its integer path runs
+        # (bf16/fp16 activations quantized; other calls would unpack the panels each time).
         kern = streaming_kernels(q.device)
         layer.q8 = (q.contiguous(), scales.float().contiguous()) if kern else None
-        if kern and self.quantize_activations and kern.has_fast_int6() and q.shape[0] % 16 == 0 and q.shape[1] % 32 == 0:
-            # AVX-512 VNNI: panels of 16 rows (integer dot products of bf16/fp16 rows; the rest unpack them)
+        if (kern and self.quantize_activations and kern.has_fast_int6() and q.shape[0] % 16 == 0
+                and q.shape[1] % 32 == 0 and layer.params_dtype in (torch.bfloat16, torch.float16)):
             layer.q8 = (pack_int8_panels(q), layer.q8[1])
         if self.w8a8_min_rows is not None and use_int8_gemm(layer, layer.params_dtype, q.device):
             layer.int8_key = int8_gemm.pack(layer, q, scales)

@@ -351,8 +351,8 @@ def test_int8_panels_are_the_row_layout_in_another_order():
 
 def test_quantized_layers_stream_panels_with_avx512_vnni():
     """int8 (activations quantized), int4 and int6 layers whose output rows come in sixteens keep their streaming
-    weight as panels where the kernels stream them (AVX-512 VNNI), else as rows; weight-only int8 keeps rows.
-    Their outputs are the dequantized weight's product either way."""
+    weight as panels where the kernels stream them (AVX-512 VNNI, bf16/fp16 models), else as rows; weight-only
+    int8 and float32 models keep rows. Their outputs are the dequantized weight's product either way."""
     from leverlab.layers import cpu_kernels
 
     kern = cpu_kernels.kernels()
@@ -367,6 +367,8 @@ def test_quantized_layers_stream_panels_with_avx512_vnni():
     assert ((layer8(x).float() - expected).abs() <= 3e-2 * expected.abs().amax(1, keepdim=True)).all()
     layer6, _, _ = quantized_linear("int6", torch.bfloat16)
     assert layer6.q6[0].dim() == (3 if kern.has_fast_int6() else 2)
+    f32, _, _ = quantized_linear("int4", torch.float32)
+    assert f32.q4[0].dim() == 2  # float32 activations never take the panels' integer path: rows
     layer, w, b = quantized_linear("int4", torch.bfloat16)
     assert layer.q4[0].dim() == (3 if kern.has_fast_int6() and layer.out_features % 16 == 0 else 2)
     w4 = layer.quant_method.dequantize(layer)
