@@ -1284,8 +1284,10 @@ void int4_panels_q8(const at::Tensor& x, const uint8_t* w, int64_t g, const floa
       gsum[m * G16 + j] = acc;
     }
   const int64_t pb = G * (g / 8 * (SIX ? 96 : 64) + 64);  // bytes per panel
-  parallel_rows(N, [&](int64_t n0, int64_t n1) {  // chunk bounds are multiples of 64 rows: whole panels
-    for (int64_t n = n0; n < n1; n += 16) {
+  // Each panel is computed by the range that holds its first row: parallel_rows' chunks are whole panels (multiples
+  // of 64 rows), at::parallel_for's (past kMaxThreads threads) need not be.
+  parallel_rows(N, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = (n0 + 15) / 16 * 16; n < n1; n += 16) {
       const uint8_t* p = w + (n / 16) * pb;
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
         __m512 out[8];
@@ -1390,8 +1392,8 @@ void int8_panels_q8(const at::Tensor& x, const uint8_t* w, const float* scale, c
                     int64_t K) {
   const int64_t M = x.size(0);
   const QuantizedRows xq = quantize_q8<T>(x);
-  parallel_rows(N, [&](int64_t n0, int64_t n1) {  // chunk bounds are multiples of 64 rows: whole panels
-    for (int64_t n = n0; n < n1; n += 16) {
+  parallel_rows(N, [&](int64_t n0, int64_t n1) {  // each panel by the range holding its first row (int4_panels_q8)
+    for (int64_t n = (n0 + 15) / 16 * 16; n < n1; n += 16) {
       const uint8_t* p = w + n * K;  // a panel is 16 K bytes
       const __m512 s = _mm512_loadu_ps(scale + n);
       const __m512 b = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
