@@ -238,6 +238,23 @@ def test_int4_streaming_kernel_paths_agree(k, g):
                                        dequantize_streaming(packed, ss), k)
 
 
+def _panels_agree_with_rows(linear, panels, rows, k: int, ms, streams: bool) -> torch.Tensor:
+    """linear(x, weight) over bf16 rows: with `streams` (AVX-512 VNNI) and up to 16 rows, the panels give the row
+    layout's results to one bf16 step and each output row bit for bit what that row alone gives; else (17 rows,
+    no VNNI) the row layout's exactly; float32 rows the row layout's exactly. Returns the last x."""
+    for m in ms:
+        x = torch.randn(m, k).to(torch.bfloat16)
+        y, ref = linear(x, panels).float(), linear(x, rows).float()
+        if streams and m <= 16:
+            assert ((y - ref).abs() <= ref.abs() * 2**-7 + 1e-6).all(), (m, (y - ref).abs().max().item())
+            one = torch.cat([linear(x[i : i + 1], panels) for i in range(m)]).float()
+            assert torch.equal(y, one), m
+        else:
+            assert torch.equal(y, ref), m
+        assert torch.equal(linear(x.float(), panels), linear(x.float(), rows))
+    return x
+
+
 @pytest.mark.parametrize("k,g", [(256, 64), (352, 32), (1024, 128), (512, 256), (1536, 64)])
 def test_int4_panels_are_the_row_layout_in_another_order(k, g):
     """pack_int4_panels (16 weight rows interleaved per group, their scales in the stream) holds the same weight
@@ -265,17 +282,8 @@ def test_int4_panels_are_the_row_layout_in_another_order(k, g):
     assert torch.equal(panels_to_rows(panels, g), packed)
     assert torch.equal(dequantize_streaming(panels, ss), dequantize_streaming(packed, ss))
     b = torch.randn(48)
-    for m in (1, 2, 3, 4, 5, 8, 9, 16, 17):
-        x = torch.randn(m, k).to(torch.bfloat16)
-        y, rows = kern.int4_linear(x, panels, ss, g, b).float(), kern.int4_linear(x, packed, ss, g, b).float()
-        assert ((y - rows).abs() <= rows.abs() * 2**-7 + 1e-6).all(), (m, (y - rows).abs().max().item())
-        if kern.has_fast_int6() and m <= 16:
-            one = torch.cat([kern.int4_linear(x[i : i + 1], panels, ss, g, b) for i in range(m)]).float()
-            assert torch.equal(y, one), m
-        else:
-            assert torch.equal(y, rows), m
-        x32 = x.float()
-        assert torch.equal(kern.int4_linear(x32, panels, ss, g, b), kern.int4_linear(x32, packed, ss, g, b))
+    x = _panels_agree_with_rows(lambda x, w: kern.int4_linear(x, w, ss, g, b), panels, packed, k,
+                                (1, 2, 3, 4, 5, 8, 9, 16, 17), kern.has_fast_int6())
     with pytest.raises(RuntimeError, match="panels"):
         kern.int4_linear(x, panels[:, :, :-1].contiguous(), ss, g, b)
 
@@ -304,16 +312,8 @@ def test_int6_panels_are_the_row_layout_in_another_order(k, g):
     assert panels.shape == (2, k // g, 12 * g + 64) and panels.numel() == packed.numel() + 2 * ss.numel()
     assert torch.equal(unpack_int6_streaming(panels), q) and torch.equal(unpack_int6_streaming(packed), q)
     b = torch.randn(32)
-    for m in (1, 2, 3, 8, 9, 16, 17):
-        x = torch.randn(m, k).to(torch.bfloat16)
-        y, rows = kern.int6_linear(x, panels, ss, g, b).float(), kern.int6_linear(x, packed, ss, g, b).float()
-        if kern.has_fast_int6() and m <= 16:
-            assert ((y - rows).abs() <= rows.abs() * 2**-7 + 1e-6).all(), (m, (y - rows).abs().max().item())
-            one = torch.cat([kern.int6_linear(x[i : i + 1], panels, ss, g, b) for i in range(m)]).float()
-            assert torch.equal(y, one), m
-        else:
-            assert torch.equal(y, rows), m
-        assert torch.equal(kern.int6_linear(x.float(), panels, ss, g, b), kern.int6_linear(x.float(), packed, ss, g, b))
+    _panels_agree_with_rows(lambda x, w: kern.int6_linear(x, w, ss, g, b), panels, packed, k,
+                            (1, 2, 3, 8, 9, 16, 17), kern.has_fast_int6())
 
 
 def test_int8_panels_are_the_row_layout_in_another_order():

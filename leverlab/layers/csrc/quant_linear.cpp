@@ -1530,6 +1530,38 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return y;
 }
 
+namespace {
+
+// int4_linear's and int6_linear's panels (SIX: int6's, 12 g + 64 bytes a group, K % 128 == 0; else 8 g + 64):
+// the shapes checked, bf16/fp16 rows up to quant_max_rows() streamed on AVX-512 VNNI, anything else handed to
+// rows(N, K), which runs the row layout on the unpacked panels.
+template <bool SIX, typename Rows>
+at::Tensor panel_linear(const char* op, const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
+                        int64_t group, const c10::optional<at::Tensor>& bias, Rows&& rows) {
+  TORCH_CHECK(x.dim() == 2 && scales.dim() == 3, op, ": x [M, K], scales [N, 2, K / g]");
+  const int64_t M = x.size(0), N = scales.size(0), K = x.size(1);
+  TORCH_CHECK(panels.scalar_type() == at::kByte && panels.is_contiguous() && group % 32 == 0 && K % group == 0 &&
+                  (!SIX || K % 128 == 0) && N % 16 == 0 && panels.size(0) == N / 16 &&
+                  panels.size(1) == K / group && panels.size(2) == (SIX ? 12 : 8) * group + 64,
+              op, ": panels [N / 16, K / g, ", SIX ? "12" : "8", " g + 64] uint8 (",
+              SIX ? "pack_int6_panels" : "pack_int4_panels", ")");
+  check_group_scales(op, N, K, group, scales);
+#if LEVERLAB_QUANT_AVX512
+  if (M <= quant_max_rows() && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf)) {
+    at::Tensor b32;
+    const float* bp = bias_f32(bias, b32);
+    auto y = at::empty({M, N}, x.options());
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "panel_linear", [&] {
+      int4_panels_q8<scalar_t, SIX>(x, panels.data_ptr<uint8_t>(), group, bp, y.data_ptr<scalar_t>(), N, K);
+    });
+    return y;
+  }
+#endif
+  return rows(N, K);
+}
+
+}  // namespace
+
 // x [M, K], packed [N, K / 2] uint8 (the layout above), scales [N, 2, K / g] fp16 (row n's group scales, then its
 // zero points) -> [M, N] in x's dtype. Up to quant_max_rows() rows stream; more dequantize the weight and
 // take aten's matmul. float32 activations are used as they are (exact against the dequantized weight); bf16/fp16
@@ -1538,27 +1570,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // panels repeat): bf16/fp16 rows up to quant_max_rows() stream them on AVX-512 VNNI, the rest take the row layout.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
                        const c10::optional<at::Tensor>& bias) {
-  if (packed.dim() == 3) {
-    TORCH_CHECK(x.dim() == 2 && scales.dim() == 3, "int4_linear: x [M, K], scales [N, 2, K / g]");
-    const int64_t M = x.size(0), N = scales.size(0), K = x.size(1);
-    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && group % 32 == 0 && K % group == 0 &&
-                    N % 16 == 0 && packed.size(0) == N / 16 && packed.size(1) == K / group &&
-                    packed.size(2) == 8 * group + 64,
-                "int4_linear: panels [N / 16, K / g, 8 g + 64] uint8 (pack_int4_panels)");
-    check_group_scales("int4_linear", N, K, group, scales);
-#if LEVERLAB_QUANT_AVX512
-    if (M <= quant_max_rows() && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf)) {
-      at::Tensor b32;
-      const float* bp = bias_f32(bias, b32);
-      auto y = at::empty({M, N}, x.options());
-      AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "int4_linear", [&] {
-        int4_panels_q8<scalar_t>(x, packed.data_ptr<uint8_t>(), group, bp, y.data_ptr<scalar_t>(), N, K);
-      });
-      return y;
-    }
-#endif
-    return int4_linear(x, panels_to_rows(packed, N, K, group), scales, group, bias);
-  }
+  if (packed.dim() == 3)
+    return panel_linear<false>("int4_linear", x, packed, scales, group, bias, [&](int64_t N, int64_t K) {
+      return int4_linear(x, panels_to_rows(packed, N, K, group), scales, group, bias);
+    });
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) == 2 * packed.size(1), "int4_linear: x [M, K], w [N, K/2]");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "int4_linear: contiguous uint8 weight");
   const int64_t M = x.size(0), N = packed.size(0), K = x.size(1);
@@ -1659,27 +1674,10 @@ bool has_fast_int6() {
 // packed may also be panels [N / 16, K / g, 12 g + 64] (pack_int6_panels), streamed as int4's panels are.
 at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
                        const c10::optional<at::Tensor>& bias) {
-  if (packed.dim() == 3) {
-    TORCH_CHECK(x.dim() == 2 && scales.dim() == 3, "int6_linear: x [M, K], scales [N, 2, K / g]");
-    const int64_t M = x.size(0), N = scales.size(0), K = x.size(1);
-    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && group % 32 == 0 && K % group == 0 &&
-                    K % 128 == 0 && N % 16 == 0 && packed.size(0) == N / 16 && packed.size(1) == K / group &&
-                    packed.size(2) == 12 * group + 64,
-                "int6_linear: panels [N / 16, K / g, 12 g + 64] uint8 (pack_int6_panels)");
-    check_group_scales("int6_linear", N, K, group, scales);
-#if LEVERLAB_QUANT_AVX512
-    if (M <= quant_max_rows() && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf)) {
-      at::Tensor b32;
-      const float* bp = bias_f32(bias, b32);
-      auto y = at::empty({M, N}, x.options());
-      AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "int6_linear", [&] {
-        int4_panels_q8<scalar_t, true>(x, packed.data_ptr<uint8_t>(), group, bp, y.data_ptr<scalar_t>(), N, K);
-      });
-      return y;
-    }
-#endif
-    return int6_linear(x, int6_panels_to_rows(packed, N, K, group), scales, group, bias);
-  }
+  if (packed.dim() == 3)
+    return panel_linear<true>("int6_linear", x, packed, scales, group, bias, [&](int64_t N, int64_t K) {
+      return int6_linear(x, int6_panels_to_rows(packed, N, K, group), scales, group, bias);
+    });
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) % 128 == 0 && 3 * x.size(1) == 4 * packed.size(1),
               "int6_linear: x [M, K], w [N, 3K/4], K a multiple of 128");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "int6_linear: contiguous uint8 weight");
