@@ -13,10 +13,11 @@ often is set by what a probe costs, as measured: the time a probe run loses agai
 EAGLE, the extra time of the plain steps that capture features for it) is kept to BUDGET of the time between
 probes, so a loser far behind is probed seldom (at most every MAX_PERIOD decisions) and one close behind about
 every PROBE_EVERY. A new bucket first measures both arms RUN times each (for a bounded number of steps); an arm
-with no measurement yet counts as slower; where a neighbouring bucket has measured both arms, only its better arm
-is tried first, and the other is first probed after a wait set by that bucket's margin (a batch size behaves
-like its neighbours, and a burst of requests, such as the study's one wave of 16, is over before an even split
-between the arms would have paid for itself). Those first tries run where the bucket began, at the start of its
+with no measurement yet counts as slower; where a neighbouring bucket has measured both arms and its verdict
+carries over (plain decoding that won at a smaller batch, speculating that won at a larger one: `_prior`), only
+its better arm is tried first, and the other is first probed after a wait set by that bucket's margin (a burst
+of requests, such as the study's one wave of 16, is over before an even split between the arms would have paid
+for itself). Those first tries run where the bucket began, at the start of its
 requests' outputs, which can be unlike the rest, so the first probe comes soon after them (SECOND_LOOK) and
 measures the probed arm afresh.
 A wrong foretelling (capture_next) costs one step's capture or one step's drafts, never a token: those
@@ -28,8 +29,14 @@ the time by its measured cost (at most RUN of every PROBE_EVERY + RUN steps). A 
 features (EAGLE) needs the steps before a speculating run to capture them: those steps are plain but capture
 (`capture_next`), and are measured apart (what a probe costs), not as the plain arm.
 
-Buckets: round(log2(decoding sequences)), so 6-11 sequences share one (a batch drifts by one or two as
-requests come and go under continuous arrivals).
+Buckets: the number of decoding sequences itself up to EXACT (16), then quarter octaves (17-20, 21-23, ...).
+Not wider: a step's cost and yield move with its sequences, and within a bucket the two arms are not measured
+at the same sizes (a speculating stretch leaves a batch ragged, so its arm has more steps at 6-7 sequences of a
+c=8 wave than the plain one). Measured on the bundled model (n-gram, K=4, c=8, one thread): at 8 sequences
+plain decoding ran 2497 tok/s and speculating 2367, at 7 2464 and 2670; the old bucket of 6-11 sequences
+pooled them into 2490 for speculating against 2400 for plain, and the gate speculated through most of a c=8
+wave that plain decoding ran faster. A batch that drifts by one or two under continuous arrivals meets a few
+neighbouring buckets; each starts from its nearest measured neighbour's better arm (the prior, above).
 """
 
 from __future__ import annotations
@@ -43,6 +50,14 @@ WINDOW = 64
 BUDGET = 0.015  # the share of a bucket's time that probing the losing arm may cost
 MAX_PERIOD = 2048  # decisions between probes, at most (acceptance and cost still get re-measured)
 OUTLIER = 2.0  # a step counts at most this many median step times in an arm's throughput
+EXACT = 16  # up to this many decoding sequences, each batch size is a bucket of its own
+# Speculating counts as the better arm only when it beats plain decoding by more than this share. A near tie goes
+# to plain decoding: speculating costs what its steps' rates do not show (a wave of requests that speculates
+# finishes ragged, its last sequences running in ever smaller steps: with fixed-K n-gram at c=8, 28 of a
+# generation's 57 steps and 30% of its time), and two arms within the noise of their windows had traded places
+# every few probes (n-gram at 8 sequences, 6% apart: whole waves speculating). bench_spec, two runs of 8 repeats
+# each: adaptive n-gram 0.98-0.99x of plain decoding at c=8 with it, 0.94x and 1.01x in two runs without.
+TIE = 0.03
 
 
 @dataclass
@@ -86,7 +101,7 @@ class _Bucket:
     spec_streak: int = 0  # speculating decisions in a row, the latest included
 
     def best(self) -> bool:
-        return self.arms[True].rate > self.arms[False].rate
+        return self.arms[True].rate > self.arms[False].rate * (1 + TIE)
 
 
 class ThroughputGate:
@@ -118,7 +133,9 @@ class ThroughputGate:
 
     @staticmethod
     def bucket_of(num_seqs: int) -> int:
-        return round(math.log2(max(1, num_seqs)))
+        """num_seqs itself up to EXACT, then quarter octaves above it (keys keep the sizes' order)."""
+        n = max(1, num_seqs)
+        return n if n <= EXACT else EXACT + max(1, round(4 * math.log2(n / EXACT)))
 
     def _next_run(self, b: _Bucket, steps: int, pending: bool | None = None) -> tuple[bool | None, bool]:
         """The arm a run starting at decision number `steps` would take (None: no run, follow the best), and
@@ -137,12 +154,22 @@ class ThroughputGate:
         """A new bucket's prior: the better arm of the nearest bucket whose arms are both measured (the smaller
         batch on a tie), and the decision at which to first try the other arm, from that bucket's margin by
         probe_period's rule (a run of the loser costs about BUDGET of the time before it), between SECOND_LOOK
-        and `period`."""
+        and `period`.
+        Only where the neighbour's verdict carries over: speculating pays less the more sequences share a step
+        (each verifies K + 1 rows where plain decoding computes one), so plain decoding that won at a smaller
+        batch wins at this larger one, and speculating that won at a larger batch wins at this smaller one. The
+        other way round says little: speculating won by 19% at 4 sequences with EAGLE and lost by 35% at 8
+        (bundled model), and following it for its 43-decision wait had run the first two c=8 waves of
+        bench_spec speculating throughout (0.73-0.80x of plain decoding, median of the waves). Then there is no
+        prior, and the bucket measures both arms first."""
         near = sorted((abs(j - k), j) for j, b in self.buckets.items() if b.tried)
         if not near:
             return None, 0
-        b = self.buckets[near[0][1]]
+        j = near[0][1]
+        b = self.buckets[j]
         best = b.best()
+        if best == (j < k):  # speculating won at fewer sequences, or plain decoding at more
+            return None, 0
         win, lose = b.arms[best].rate, b.arms[not best].rate
         lost = self.RUN * max(0.0, 1 - lose / win) if win > 0 else 0.0
         return best, int(min(self.period, max(self.SECOND_LOOK, lost / BUDGET)))

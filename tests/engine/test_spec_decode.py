@@ -145,10 +145,10 @@ def test_gate_runs_the_faster_arm_per_batch_size_and_keeps_probing():
     assert sum(late[16]) / len(late[16]) < 0.1  # mostly plain where it does not
     assert any(late[16]), "the losing arm is still probed now and then (acceptance stays fresh)"
     rates = g.rates()
-    assert rates[0][0] > rates[0][1] and rates[4][0] < rates[4][1]
+    assert rates[1][0] > rates[1][1] and rates[16][0] < rates[16][1]  # (buckets: 1 and 16 sequences)
     # where speculating wins, the plain probes are measured too (their steps do not capture features, bar the
     # last, which captures for the speculating steps after it)
-    assert g.buckets[0].arms[False].samples >= 4 + 3 * 4  # the first tries, then 3 of each probe run of 4
+    assert g.buckets[1].arms[False].samples >= 4 + 3 * 4  # the first tries, then 3 of each probe run of 4
     # capture_next (asked after this step's decision) looks ahead: the LEAD steps before a speculating run
     # capture features for it (EAGLE), and the other plain steps do not.
     g2 = ThroughputGate(needs_capture=True)
@@ -181,7 +181,7 @@ def test_gate_measures_a_skewed_yield_by_its_total():
             picks.append(arm)
             tokens = (6 if rng.random() < 0.4 else 1) if arm else 2
             g.observe_step(4, arm, tokens, seconds=1.0)
-        spec, plain = g.rates()[2]
+        spec, plain = g.rates()[4]
         assert spec > plain == 2.0, seed  # (a median of per-step rates read it as 1 token a step)
         shares.append(sum(picks[100:]) / 500)
     # An unlucky start can keep it plain for a few hundred steps (probes of 4 steps refill a 64-step window
@@ -207,11 +207,13 @@ def test_gate_takes_a_second_look_after_an_unrepresentative_start():
     assert sum(picks[40:]) / len(picks[40:]) > 0.9, picks
 
 
-def test_a_new_batch_size_starts_from_its_neighbours_better_arm():
-    """A bucket that has measured both arms (here 1 sequence: speculating emits 2x plain decoding) is the prior of
-    a new one (16 sequences): a burst there runs the neighbour's better arm from its first step and tries the
-    other only after a wait set by the neighbour's margin, so a short burst is not split between the arms. Where
-    the prior is wrong for the new size (speculating at half the plain rate), the measurements still win."""
+def test_a_new_batch_size_starts_from_its_neighbours_better_arm_where_that_carries_over():
+    """A bucket that has measured both arms is the prior of a new one where its verdict carries over (speculating
+    pays less with more sequences): plain decoding that won at 1 sequence at a burst of 16, speculating that won
+    at 16 at a burst of 1. The burst runs the neighbour's better arm from its first step and tries the other only
+    after a wait set by the neighbour's margin, so a short burst is not split between the arms; where the prior
+    is wrong for the new size, the measurements still win. Speculating that won at 1 sequence says little about
+    16: that burst measures both arms first."""
     from leverlab.spec.gate import ThroughputGate
 
     def burst(g, n, spec_speed, steps):
@@ -222,13 +224,40 @@ def test_a_new_batch_size_starts_from_its_neighbours_better_arm():
             g.observe_step(n, arm, tokens=round((spec_speed if arm else 1.0) * n * 10), seconds=1.0)
         return picks
 
-    for spec_at_16, want in ((1.5, True), (0.5, False)):
+    # (first size, speculating's speed there, burst size, speculating's speed there)
+    for n0, s0, n1, s1 in ((1, 0.5, 16, 0.5), (1, 0.5, 16, 1.5), (16, 1.5, 1, 2.0), (16, 1.5, 1, 0.5)):
         g = ThroughputGate(needs_capture=False)
-        burst(g, 1, 2.0, 200)
-        picks = burst(g, 16, spec_at_16, 300)
-        if want:
-            assert all(picks[:40]), picks[:40]  # no even split at the start of the burst
-        assert sum(a == want for a in picks[150:]) / 150 > 0.9, (spec_at_16, picks)
+        burst(g, n0, s0, 200)
+        picks = burst(g, n1, s1, 300)
+        assert all(a == (s0 > 1) for a in picks[:16]), (n0, s0, n1, s1, picks[:16])  # the neighbour's arm first
+        want = s1 > 1
+        assert sum(a == want for a in picks[150:]) / 150 > 0.9, (n0, s0, n1, s1, picks)
+    g = ThroughputGate(needs_capture=False)
+    burst(g, 1, 2.0, 200)
+    picks = burst(g, 16, 0.5, 300)
+    assert picks[:8].count(True) == picks[:8].count(False) == 4  # no prior: both arms measured first
+    assert sum(not a for a in picks[20:]) / len(picks[20:]) > 0.9
+
+
+def test_each_batch_size_up_to_16_is_measured_apart():
+    """A c=8 wave that speculates now and then goes ragged: some steps run 7 sequences. Here plain decoding wins
+    at 8 (8 tokens a step against 9 in 1.2x the time) and speculating at 7 (10 against 7): the gate must find
+    both, which a bucket pooling 6-11 sequences could not (one decision for both sizes)."""
+    from leverlab.spec.gate import ThroughputGate
+
+    g = ThroughputGate(needs_capture=False)
+    assert [g.bucket_of(n) for n in (0, 1, 2, 7, 8, 16)] == [1, 1, 2, 7, 8, 16]
+    keys = [g.bucket_of(n) for n in range(16, 65)]
+    assert keys == sorted(keys) and g.bucket_of(17) > 16 and len(set(keys)) == 9  # 16, then 8 quarter octaves to 64
+    picks = {7: [], 8: []}
+    for i in range(900):
+        n = 7 if i % 3 == 0 else 8
+        arm = g.decide(n)
+        picks[n].append(arm)
+        tokens, seconds = {(8, True): (9, 1.2), (8, False): (8, 1.0), (7, True): (10, 1.0), (7, False): (7, 1.0)}[n, arm]
+        g.observe_step(n, arm, tokens, seconds)
+    assert sum(picks[8][200:]) / len(picks[8][200:]) < 0.15, picks[8][200:]
+    assert sum(picks[7][100:]) / len(picks[7][100:]) > 0.85, picks[7][100:]
 
 
 def test_gate_probes_a_far_losing_arm_seldom():
