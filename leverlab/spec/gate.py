@@ -17,7 +17,7 @@ with no measurement yet counts as slower; where a neighbouring bucket has measur
 carries over (plain decoding that won at a smaller batch, speculating that won at a larger one: `_prior`), only
 its better arm is tried first, and the other is first probed after a wait set by that bucket's margin (a burst
 of requests, such as the study's one wave of 16, is over before an even split between the arms would have paid
-for itself). Those first tries run where the bucket began, at the start of its
+for itself); where it does not carry over, after the shortest wait. Those first tries run where the bucket began, at the start of its
 requests' outputs, which can be unlike the rest, so the first probe comes soon after them (SECOND_LOOK) and
 measures the probed arm afresh.
 A wrong foretelling (capture_next) costs one step's capture or one step's drafts, never a token: those
@@ -160,8 +160,10 @@ class ThroughputGate:
         batch wins at this larger one, and speculating that won at a larger batch wins at this smaller one. The
         other way round says little: speculating won by 19% at 4 sequences with EAGLE and lost by 35% at 8
         (bundled model), and following it for its 43-decision wait had run the first two c=8 waves of
-        bench_spec speculating throughout (0.73-0.80x of plain decoding, median of the waves). Then there is no
-        prior, and the bucket measures both arms first."""
+        bench_spec speculating throughout (0.73-0.80x of plain decoding, median of the waves). Then the
+        neighbour's arm still goes first (n-gram speculation that wins at 1 sequence mostly wins at 4 and 16
+        too, and a server's short burst has no time to measure both), but the other is tried after the shortest
+        wait, SECOND_LOOK."""
         near = sorted((abs(j - k), j) for j, b in self.buckets.items() if b.tried)
         if not near:
             return None, 0
@@ -169,7 +171,7 @@ class ThroughputGate:
         b = self.buckets[j]
         best = b.best()
         if best == (j < k):  # speculating won at fewer sequences, or plain decoding at more
-            return None, 0
+            return best, self.SECOND_LOOK
         win, lose = b.arms[best].rate, b.arms[not best].rate
         lost = self.RUN * max(0.0, 1 - lose / win) if win > 0 else 0.0
         return best, int(min(self.period, max(self.SECOND_LOOK, lost / BUDGET)))
