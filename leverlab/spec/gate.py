@@ -13,11 +13,11 @@ often is set by what a probe costs, as measured: the time a probe run loses agai
 EAGLE, the extra time of the plain steps that capture features for it) is kept to BUDGET of the time between
 probes, so a loser far behind is probed seldom (at most every MAX_PERIOD decisions) and one close behind about
 every PROBE_EVERY. A new bucket first measures both arms RUN times each (for a bounded number of steps); an arm
-with no measurement yet counts as slower; where a neighbouring bucket has measured both arms and its verdict
-carries over (plain decoding that won at a smaller batch, speculating that won at a larger one: `_prior`), only
-its better arm is tried first, and the other is first probed after a wait set by that bucket's margin (a burst
-of requests, such as the study's one wave of 16, is over before an even split between the arms would have paid
-for itself); where it does not carry over, after the shortest wait. Those first tries run where the bucket began, at the start of its
+with no measurement yet counts as slower; where a neighbouring bucket has measured both arms, only its better
+arm is tried first, and the other is first probed after a wait set by that bucket's margin where the verdict
+carries over (plain decoding that won at a smaller batch, speculating that won at a larger one: `_prior`), else
+after the shortest wait (a burst of requests, such as the study's one wave of 16, is over before an even split
+between the arms would have paid for itself). Those first tries run where the bucket began, at the start of its
 requests' outputs, which can be unlike the rest, so the first probe comes soon after them (SECOND_LOOK) and
 measures the probed arm afresh.
 A wrong foretelling (capture_next) costs one step's capture or one step's drafts, never a token: those
