@@ -111,3 +111,32 @@ def test_cpp_kernel_over_int8_cache_matches_the_gather_path(monkeypatch, d, dtyp
     ref = attention_impl(q.float(), k.float(), v.float(), rk, rv, *args, k_scale=rks, v_scale=rvs, window=window)
     assert torch.equal(kc, rk) and torch.equal(vc, rv) and torch.equal(ks, rks) and torch.equal(vs, rvs)
     assert torch.allclose(ours.float(), ref.float(), atol=tol, rtol=0), (ours.float() - ref.float()).abs().max()
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("kind", ["flat", "peaked"])
+def test_int16_attention_over_int8_cache_is_within_bfloat16_rounding_on_long_contexts(monkeypatch, d, kind):
+    """bfloat16 activations over an int8 cache take the integer path (16-bit queries and weights, int32 sums;
+    item_q8_vnni where the CPU has AVX-512 VNNI). Over 2,500 positions of V near +1 with flat attention, 16-bit
+    weights at full scale would overflow the int32 sums ~5x over; the weights' scale must bound them. Peaked
+    attention (loud queries) checks the fine steps. Both within a bfloat16 output's rounding of float32 math."""
+    from leverlab.layers import cpu_kernels
+
+    if cpu_kernels.kernels() is None:
+        pytest.skip("no C++ compiler here: the engine uses the PyTorch path")
+    g = torch.Generator().manual_seed(5)
+    nb, bs, kvh, h = 330, 16, 2, 6
+    lens, spans = [2500, 2501], [1, 3]
+    caches, scales = kvq.allocate("int8", torch.bfloat16, 1, nb, bs, kvh, d, "cpu")
+    (kc, vc), (ks, vs) = caches[0], scales[0]
+    kvq.write(kc, ks, torch.randn(nb * bs, kvh, d, generator=g), torch.arange(nb * bs))
+    kvq.write(vc, vs, 1 + 0.05 * torch.randn(nb * bs, kvh, d, generator=g), torch.arange(nb * bs))
+    q, k, v, *meta = span_batch(g, lens, spans, nb, bs, 160, h, kvh, d, torch.bfloat16)
+    q = torch.zeros_like(q) if kind == "flat" else q * 4
+    state = [x.clone() for x in (kc, vc, ks, vs)]
+    ours = attention_impl(q, k, v, kc, vc, *meta, d**-0.5, k_scale=ks, v_scale=vs)
+    monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+    rk, rv, rks, rvs = state
+    ref = attention_impl(q.float(), k.float(), v.float(), rk, rv, *meta, d**-0.5, k_scale=rks, v_scale=rvs)
+    err = (ours.float() - ref).abs()
+    assert (err <= 2**-8 * ref.abs() + 2e-4).all(), err.max()  # 2^-8: the output's own rounding to bfloat16

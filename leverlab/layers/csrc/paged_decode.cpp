@@ -61,6 +61,10 @@ inline const float* as_float<c10::BFloat16>(const c10::BFloat16* src, float* buf
 // on demand, each position waited a memory latency (measured: 95 ns per position, 1.8 ms per layer for 16
 // sequences of 150 tokens). So pass 1 requests rows kAhead positions early.
 constexpr int64_t kAhead = 8;
+// The int8 cache's integer path (item_q8_vnni) spends ~20 ns a position where the float loops spent ~50, so 8
+// positions ahead no longer covered a memory latency: 32 read 1.2x faster than 8 over the bundled model's 16 x 1,000
+// cold cache, and 16 or 32 the same over the 0.6B shape's (1.5x; 64 slower there). Session 27, a Zen 4, one thread.
+constexpr int64_t kAheadQ8 = 32;
 
 // The scores pass requests its rows into L2 (PREFETCHT1), not L1 (T0): a standalone harness over the 0.6B shape's
 // 28 layers of bf16 cache, one sequence, two threads, 13 MB of other reads between layers as a step's weights
@@ -133,9 +137,19 @@ struct Item {
 // was 40% of the attention's time.
 inline float softmax_span(float* p, int64_t n) {
   float m = p[0];
-  for (int64_t i = 1; i < n; ++i) m = std::max(m, p[i]);
+  int64_t i = 1;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n >= 9) {  // the max eight lanes at a time too: as a scalar chain it took a third of this function
+    __m256 mv = _mm256_loadu_ps(p);
+    for (i = 8; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(p + i));
+    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    m = std::max(_mm_cvtss_f32(q), _mm_cvtss_f32(_mm_shuffle_ps(q, q, 1)));
+  }
+#endif
+  for (; i < n; ++i) m = std::max(m, p[i]);
   float sum = 0.f;
-  int64_t i = 0;
+  i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256 mv = _mm256_set1_ps(m);
   __m256 acc = _mm256_setzero_ps();
@@ -176,7 +190,8 @@ inline std::pair<int64_t, int64_t> seeing(const Item& it, int64_t pos, int64_t G
 }
 
 struct Buffers {
-  std::vector<float> qf, acc, probs, inv, row, part;
+  std::vector<float> qf, acc, probs, inv, row, part, qs, vsf;
+  std::vector<int16_t> q16, w16;
   std::vector<int64_t> offs;  // row_offsets()
 };
 
@@ -612,6 +627,169 @@ void item_q8_512(const T* qp, const int8_t* kp, const int8_t* vp, const float* k
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define LEVERLAB_ATTN_Q8_VNNI 1
+// The int8 cache with 16-bit queries and weights (bfloat16 or float16 activations): both passes in integer dot
+// products (vpdpwssd: 32 int16 products summed pairwise into 16 int32 lanes), where item_q8_512 widens every int8
+// element to float32 (two instructions per 16) and spends one FMA per 16 products.
+//   scores: each query row quantized to int16 (scale max|q| / 32767, a relative step of 2^-15 where bfloat16 itself
+//           keeps 2^-8); a block of 16 positions' K rows sign-extended to int16 once (one instruction per 32
+//           elements) into an L1 buffer, then per row 16 positions' int32 sums in registers, reduced together.
+//   values: per row the probabilities times the rows' V scales, quantized to int16 in groups of 32 positions
+//           (a scale each), and two positions' V rows interleaved as int16 pairs, so one vpdpwssd adds both
+//           positions' products for 16 elements of a row; each group's int32 sums are scaled into float32 ones.
+// Attention alone over 8 layers of 16 x 1,000 tokens, cold (a Zen 4, one thread, session 27): the bundled model's
+// heads 4.5-5.0 ms a step where item_q8_512 took 8.2-8.9 and the bf16 cache's item_bf16 6.5-7.3 (1.4x it in the
+// same run); the 0.6B shape's heads 1.5x item_bf16 (they were 1.3x with item_q8_512). Within the
+// output's bfloat16 rounding of float32 math (tests/quant/test_kv_cache.py). The float32 path (item_q8_512) stays
+// for float32 activations, where the tests hold the int8 cache to 1e-5 of the gather path.
+template <int D, typename T>
+void item_q8_vnni(const T* qp, const int8_t* kp, const int8_t* vp, const float* ksc, const float* vsc, T* op,
+                  const Layout& lay, const Item& it, Buffers& buf) {
+  constexpr int C = D / 32;  // 32-element int16 chunks of a row
+  constexpr int kRows = D <= 64 ? 4 : D <= 128 ? 2 : 1;  // value accumulators 2 * C * kRows <= 16 registers
+  const int64_t G = lay.G, R = it.nq * G, L = it.ctx - it.first, L2 = (L + 1) / 2 * 2;
+  buf.q16.resize(R * D);
+  buf.qs.resize(R);
+  for (int64_t r = 0; r < R; ++r) {
+    const T* q = qp + ((it.row0 + r / G) * lay.H + it.h * G + r % G) * D;
+    float amax = 0.f;
+    for (int d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(q[d])));
+    const float s = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / s;
+    for (int d = 0; d < D; ++d) buf.q16[r * D + d] = static_cast<int16_t>(std::nearbyint(static_cast<float>(q[d]) * inv));
+    buf.qs[r] = s * lay.scale;
+  }
+  buf.probs.resize(R * L);
+  buf.inv.resize(R);
+  alignas(64) int16_t kw[16][D];
+  for (int64_t p0 = it.first; p0 < it.ctx; p0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, it.ctx - p0));
+    alignas(64) float kscale[16];
+    for (int i = 0; i < 16; ++i) {  // a short last block repeats its last row (as item_bf16), never stored
+      if (i < n && p0 + i + kAheadQ8 < it.ctx) {
+        const int64_t o = buf.offs[p0 + i + kAheadQ8 - it.first];
+        prefetch_row(kp + o, D);
+        prefetch_row(vp + o, D);
+        __builtin_prefetch(ksc + o / D, 0, 2);  // the scales too: they are a third stream, as cold as the rows
+        __builtin_prefetch(vsc + o / D, 0, 2);
+      }
+      const int64_t off = buf.offs[p0 + std::min(i, n - 1) - it.first];
+      kscale[i] = ksc[off / D];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)
+        _mm512_store_si512(kw[i] + 32 * c,
+                           _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp + off + 32 * c))));
+    }
+    const __m512 ks = _mm512_load_ps(kscale);
+    for (int64_t r = 0; r < R; ++r) {
+      __m512i qv[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_si512(buf.q16.data() + r * D + 32 * c);
+      __m512 s[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        __m512i a = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) a = _mm512_dpwssd_epi32(a, qv[c], _mm512_load_si512(kw[i] + 32 * c));
+        s[i] = _mm512_cvtepi32_ps(a);
+      }
+      const __m512 v = _mm512_mul_ps(_mm512_mul_ps(hsum16(s), ks), _mm512_set1_ps(buf.qs[r]));
+      _mm512_mask_storeu_ps(buf.probs.data() + r * L + p0 - it.first, static_cast<__mmask16>((1u << n) - 1), v);
+    }
+  }
+  softmax_rows(buf.probs.data(), buf.inv.data(), it, R, G, L, lay.window);
+  // Per row and group of kGroup positions: w_t = p_t * vscale_t (0 where the row does not see t, and past L) as
+  // int16 at the group's own scale, max w / 32767. One scale per row had rounded every weight under 1/65534 of the
+  // row's largest to 0: a long tail's whole mass (a row with a sink at 1 and 32K positions at 1e-5 would lose a
+  // quarter of its output). Per group a weight is lost only under 1/65534 of its group's largest, at most
+  // 16 / 32767 of the group's mass, and a group's int32 sums stay far from overflow (32 * 32767 * 127 < 2^28).
+  constexpr int kGroup = 32;
+  const int64_t NG = (L + kGroup - 1) / kGroup, LG = NG * kGroup;
+  buf.vsf.resize(LG);
+  for (int64_t i = 0; i < L; ++i) buf.vsf[i] = vsc[buf.offs[i] / D];
+  buf.w16.resize(R * LG);
+  buf.qs.resize(R * NG);  // reused: each row's per-group weight scales
+  for (int64_t r = 0; r < R; ++r) {
+    const auto [lo, e] = visible_positions(it, r, G, lay.window);
+    const float* p = buf.probs.data() + r * L;
+    for (int64_t g = 0; g < NG; ++g) {
+      const int64_t i0 = g * kGroup;
+      __m512 w[2];
+      for (int h = 0; h < 2; ++h) {  // lanes of positions i0 + 16h .. + 15 the row sees (all below L)
+        const int64_t a = i0 + 16 * h - (lo - it.first), z = (e - it.first) - (i0 + 16 * h);
+        const uint32_t from = a >= 0 ? 0xFFFFu : a <= -16 ? 0u : (0xFFFFu << -a) & 0xFFFFu;
+        const uint32_t upto = z >= 16 ? 0xFFFFu : z <= 0 ? 0u : (1u << z) - 1;
+        const __mmask16 m = static_cast<__mmask16>(from & upto);
+        w[h] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + i0 + 16 * h), _mm512_maskz_loadu_ps(m, buf.vsf.data() + i0 + 16 * h));
+      }
+      const float wmax = _mm512_reduce_max_ps(_mm512_max_ps(w[0], w[1]));  // weights are >= 0
+      const float sc = wmax / 32767.f, inv = wmax > 0.f ? 32767.f / wmax : 0.f;
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.w16.data() + r * LG + i0 + 16 * h),
+                            _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w[h], _mm512_set1_ps(inv)))));
+      buf.qs[r * NG + g] = sc;
+    }
+  }
+  // Two positions' V rows a step, as int16 pairs: within each 128-bit lane k of chunk c, `lo` holds elements
+  // 32c + 8k + 0..3 of both rows interleaved, `hi` elements 32c + 8k + 4..7; a row's weight pair is one int32.
+  for (int64_t r = 0; r < R; r += kRows) {
+    const int nr = static_cast<int>(std::min<int64_t>(kRows, R - r));
+    alignas(64) float accf[kRows][2 * C][16] = {};  // float32 sums over the groups, in the lanes' order
+    for (int64_t g = 0; g < NG; ++g) {
+      __m512i acc[kRows][2 * C];
+#pragma GCC unroll 4
+      for (int j = 0; j < kRows; ++j)
+#pragma GCC unroll 16
+        for (int c = 0; c < 2 * C; ++c) acc[j][c] = _mm512_setzero_si512();
+      const int64_t iend = std::min(L, (g + 1) * kGroup);
+      for (int64_t i = g * kGroup; i < iend; i += 2) {
+        if (i + kAhead + 1 < L) {
+          prefetch_row_l1(vp + buf.offs[i + kAhead], D);
+          prefetch_row_l1(vp + buf.offs[i + kAhead + 1], D);
+        }
+        const int8_t* va = vp + buf.offs[i];
+        const int8_t* vb = vp + buf.offs[std::min(i + 1, L - 1)];  // an odd tail pairs its row with itself, weight 0
+        __m512i wp[kRows];
+#pragma GCC unroll 4
+        for (int j = 0; j < kRows; ++j) {
+          int32_t pair = 0;
+          if (j < nr) std::memcpy(&pair, buf.w16.data() + (r + j) * LG + i, 4);
+          wp[j] = _mm512_set1_epi32(pair);
+        }
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+          const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(va + 32 * c)));
+          const __m512i y = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + 32 * c)));
+          const __m512i lo = _mm512_unpacklo_epi16(x, y), hi = _mm512_unpackhi_epi16(x, y);
+#pragma GCC unroll 4
+          for (int j = 0; j < kRows; ++j) {
+            acc[j][2 * c] = _mm512_dpwssd_epi32(acc[j][2 * c], lo, wp[j]);
+            acc[j][2 * c + 1] = _mm512_dpwssd_epi32(acc[j][2 * c + 1], hi, wp[j]);
+          }
+        }
+      }
+      for (int j = 0; j < nr; ++j) {
+        const __m512 sc = _mm512_set1_ps(buf.qs[(r + j) * NG + g]);
+#pragma GCC unroll 16
+        for (int c = 0; c < 2 * C; ++c)
+          _mm512_store_ps(accf[j][c], _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[j][c]), sc, _mm512_load_ps(accf[j][c])));
+      }
+    }
+    for (int j = 0; j < nr; ++j) {
+      const int64_t rr = r + j;
+      const float f = buf.inv[rr];
+      T* orow = op + ((it.row0 + rr / G) * lay.H + it.h * G + rr % G) * D;
+      for (int c = 0; c < C; ++c)
+        for (int k = 0; k < 4; ++k)
+          for (int x = 0; x < 4; ++x) {
+            orow[32 * c + 8 * k + x] = static_cast<T>(accf[j][2 * c][4 * k + x] * f);
+            orow[32 * c + 8 * k + 4 + x] = static_cast<T>(accf[j][2 * c + 1][4 * k + x] * f);
+          }
+    }
+  }
+}
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 #define LEVERLAB_ATTN_TILED 1
 // Long spans (prefill chunks), AVX2: the decode loops above take one position at a time and finish every q.k
@@ -784,6 +962,13 @@ void spans_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
       if (nq >= kMinTiledSpan) { item_tiled(qp, kp, vp, ksc, vsc, op, lay, it, buf, tb); continue; }
 #endif
       if constexpr (std::is_same_v<C, int8_t>) {
+#if defined(LEVERLAB_ATTN_Q8_VNNI)
+        if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double>) {
+          if (D == 64) { item_q8_vnni<64>(qp, kp, vp, ksc, vsc, op, lay, it, buf); continue; }
+          if (D == 128) { item_q8_vnni<128>(qp, kp, vp, ksc, vsc, op, lay, it, buf); continue; }
+          if (D == 256) { item_q8_vnni<256>(qp, kp, vp, ksc, vsc, op, lay, it, buf); continue; }
+        }
+#endif
 #if defined(LEVERLAB_ATTN_Q8_512)
         if (D == 64) { item_q8_512<64>(qp, kp, vp, ksc, vsc, op, lay, it, buf); continue; }
         if (D == 128) { item_q8_512<128>(qp, kp, vp, ksc, vsc, op, lay, it, buf); continue; }
