@@ -13,10 +13,13 @@ The kernels read a decode step's weights as one stream and prefetch ahead of it 
        with nta, 265-294 without; session 8). On a Zen 4 (session 17) it was the fastest for bf16 and int8 single
        streams of the 0.6B shape (1.13-1.15x and 1.24x nta's tok/s); int4 there kept nta.
   l2   into L2 only (PREFETCHT1), 4 KB ahead: the kind that let decode attention read its cold KV cache at the
-       rate of a plain read on a Zen 4 (1.3-1.45x T0's; csrc/paged_decode.cpp, session 22). Not timed at load:
-       there the int4 body's pass preferred it (10.61 ms against nta's 11.55, in each of 3 rounds), but whole
-       int4 decodes with it forced ran at 58.7 / 60.8 / 57.5 tok/s against nta's 76.8 / 64.5 / 61.4 (alternating
-       processes): a pass over the linears alone does not see what the stream evicts. Set it by hand to try it.
+       rate of a plain read on a Zen 4 (1.3-1.45x T0's; csrc/paged_decode.cpp, session 22). Not timed by the
+       passes: there the int4 body's pass preferred it (10.61 ms against nta's 11.55, in each of 3 rounds), but
+       whole int4 decodes with it forced ran at 58.7 / 60.8 / 57.5 tok/s against nta's 76.8 / 64.5 / 61.4
+       (alternating processes): a pass over the linears alone does not see what the stream evicts. Whole steps
+       (`tune_steps`) try it since session 27: the bf16 0.6B shape's single stream, in one process with the kinds
+       alternating (16 generations each, paired medians), ran 1.04x off's and 1.12x nta's in a slow spell of the
+       machine (26 / 25 / 23 tok/s) and 1.06x off's over a mixed one, where int8 ran 0.80x off's and int4 0.96x.
 The bf16 kernel follows the mode up to 3 activation rows (until session 17 it always prefetched T0 2 KB ahead);
 from 4 rows on it prefetches into L2 whatever the mode (csrc/skinny_linear.cpp says why).
 Each kernel family (bf16, int8, int4, int6) has its own mode, since one model can stream through two: an int4
@@ -43,8 +46,9 @@ from leverlab.layers.linear import Linear
 
 log = logging.getLogger("leverlab")
 
-MODES = ("nta", "t0", "off")  # the kinds timed at load (csrc/stream_hint.h)
-FORCEABLE = (*MODES, "l2")  # l2 only by LEVERLAB_STREAM_PREFETCH (below)
+MODES = ("nta", "t0", "off")  # the kinds the passes time at load (csrc/stream_hint.h)
+STEP_MODES = (*MODES, "l2")  # the kinds whole decode steps try (tune_steps)
+FORCEABLE = STEP_MODES
 DEFAULT = "nta"
 MAX_BYTES = 1 << 30  # the layers timed: a pass over more would be long at load, and no cache keeps them anyway
 MARGIN = 0.05  # another mode must be this much faster: the default protects the rest of the step's working set
@@ -184,11 +188,11 @@ def tune_steps(step, measured: dict[str, str]) -> dict[str, str]:
     never beat it by 5% in every round) while whole decodes, in one process with the kinds alternating, ran 1.23x
     faster with off (10 of 10 pairs). So once the engine can run a step (ModelRunner.warmup), `step()` runs one
     decode step and candidates are timed through it: the passes' choice, and every family in one kind (nta, t0,
-    off). The passes' choice stays unless another candidate beat it by STEP_MARGIN in STEP_WINS of STEP_ROUNDS
+    off, l2). The passes' choice stays unless another candidate beat it by STEP_MARGIN in STEP_WINS of STEP_ROUNDS
     rounds."""
     kern = cpu_kernels.kernels()
     candidates = {"measured": dict(measured)}
-    for mode in MODES:
+    for mode in STEP_MODES:
         if any(m != mode for m in measured.values()):
             candidates[mode] = dict.fromkeys(measured, mode)
 

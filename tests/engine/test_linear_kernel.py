@@ -152,10 +152,10 @@ def test_prefetch_choice_needs_a_win_in_every_round():
 
 @needs_kernel
 def test_whole_decode_steps_overrule_the_passes_choice_only_by_a_steady_win(monkeypatch):
-    """tune_steps times candidates through whole decode steps (the passes' choice, then every family in one kind)
-    and keeps the passes' choice unless another beat it by STEP_MARGIN in STEP_WINS of STEP_ROUNDS rounds. Here a
-    step's time follows the kind the kernels are really set to, as a stand-in decode step whose cost is known
-    exactly."""
+    """tune_steps times candidates through whole decode steps (the passes' choice, then every family in one kind,
+    l2 included) and keeps the passes' choice unless another beat it by STEP_MARGIN in STEP_WINS of STEP_ROUNDS
+    rounds. Here a step's time follows the kind the kernels are really set to, as a stand-in decode step whose
+    cost is known exactly."""
     from leverlab.layers import prefetch_tune
 
     kern = bf16_linear.cpu_kernels.kernels()
@@ -172,16 +172,20 @@ def test_whole_decode_steps_overrule_the_passes_choice_only_by_a_steady_win(monk
 
     try:
         measured = {"int4": "nta", "int6": "t0"}
-        # off steadily 20% faster than the passes' choice (int4 nta here): kept, for every family
-        assert prefetch_tune.tune_steps(step_costing({"nta": 1.0, "t0": 1.0, "off": 0.8}), measured) == \
+        # off steadily 20% faster than the passes' choice (int4 nta here), l2 10%: off kept, for every family
+        assert prefetch_tune.tune_steps(step_costing({"nta": 1.0, "t0": 1.0, "off": 0.8, "l2": 0.9}), measured) == \
             {"int4": "off", "int6": "off"}
         assert [kern.stream_prefetch(f) for f in ("int4", "int6")] == ["off", "off"]
+        # l2, which the passes never time, is a whole-step candidate too
+        assert prefetch_tune.tune_steps(step_costing({"nta": 1.0, "t0": 1.0, "off": 0.9, "l2": 0.8}), measured) == \
+            {"int4": "l2", "int6": "l2"}
         # within the margin: the passes' choice stays, family by family
-        assert prefetch_tune.tune_steps(step_costing({"nta": 1.0, "t0": 0.99, "off": 0.98}), measured) == measured
+        assert prefetch_tune.tune_steps(step_costing({"nta": 1.0, "t0": 0.99, "off": 0.98, "l2": 0.98}),
+                                        measured) == measured
         assert [kern.stream_prefetch(f) for f in ("int4", "int6")] == ["nta", "t0"]
         # faster in one round only (every other step of the measured choice slowed in round 1): kept as measured
         slow_first_round = {i: 1.5 for i in range(1, 5)}
-        assert prefetch_tune.tune_steps(step_costing({"nta": 1.0, "t0": 1.0, "off": 1.0}, slow_first_round),
+        assert prefetch_tune.tune_steps(step_costing({"nta": 1.0, "t0": 1.0, "off": 1.0, "l2": 1.0}, slow_first_round),
                                         measured) == measured
 
         def failing():
