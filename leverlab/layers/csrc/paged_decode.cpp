@@ -65,6 +65,10 @@ constexpr int64_t kAhead = 8;
 // positions ahead no longer covered a memory latency: 32 read 1.2x faster than 8 over the bundled model's 16 x 1,000
 // cold cache, and 16 or 32 the same over the 0.6B shape's (1.5x; 64 slower there). Session 27, a Zen 4, one thread.
 constexpr int64_t kAheadQ8 = 32;
+// The bf16 cache's AVX-512 path (item_bf16): 16 positions ahead read 1.03-1.05x faster than 8 in each of four
+// cold cases (the bundled model's heads at 16 x 1,000 tokens; the 0.6B shape's at 16 x 1,000, and one sequence of
+// 160 and of 1,000 over 28 layers, two threads); 32 gained 0-8%, once nothing. Session 27, in one process.
+constexpr int64_t kAheadBf16 = 16;
 
 // The scores pass requests its rows into L2 (PREFETCHT1), not L1 (T0): a standalone harness over the 0.6B shape's
 // 28 layers of bf16 cache, one sequence, two threads, 13 MB of other reads between layers as a step's weights
@@ -303,9 +307,9 @@ void item_bf16(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, uint1
   for (int64_t p0 = it.first; p0 < it.ctx; p0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, it.ctx - p0));
     for (int i = 0; i < n; ++i)
-      if (p0 + i + kAhead < it.ctx) {
-        prefetch_row(kp + buf.offs[p0 + i + kAhead - it.first], D * 2);
-        prefetch_row(vp + buf.offs[p0 + i + kAhead - it.first], D * 2);
+      if (p0 + i + kAheadBf16 < it.ctx) {
+        prefetch_row(kp + buf.offs[p0 + i + kAheadBf16 - it.first], D * 2);
+        prefetch_row(vp + buf.offs[p0 + i + kAheadBf16 - it.first], D * 2);
       }
     // A short last block repeats its last row: every position's dot product is computed without a branch, so the
     // 16 accumulators stay in registers (with `if (i >= n) continue` gcc kept them in memory, and each position's
