@@ -7,6 +7,7 @@
 | LEVERLAB_COMPILE_MODE         | torch.compile mode of the compiled path (max-autotune-no-cudagraphs)    |
 | LEVERLAB_WEIGHT_PREPACK=1     | let Inductor prepack weights with oneDNN (off: it defeats the FX cache) |
 | LEVERLAB_NO_CPP_KERNELS=1     | never build or use our C++ kernels (the plain PyTorch paths)            |
+| LEVERLAB_REQUIRE_CPP_KERNELS=1 | TESTS: the C++ kernels must build, or the test session stops (.ci/run sets it) |
 | LEVERLAB_NO_SKINNY_LINEAR=1   | aten's linear instead of our streaming bf16 kernel (A/B runs)            |
 | LEVERLAB_STREAM_PREFETCH      | every kernel family's weight prefetch, off / nta / t0 / l2, instead of measuring each at load (layers/prefetch_tune.py); LEVERLAB_NO_STREAM_PREFETCH=1: off |
 | LEVERLAB_NO_HUGE_PAGES=1     | leave a CPU model's weights in 4 KB pages (layers/huge_pages.py; A/B runs) |
