@@ -5,7 +5,8 @@ each round and the best round counts. Prints decode tok/s, the bytes one step re
 KV context) and that as a share of the measured read bandwidth, and int8's ratio to the model-dtype cache.
 At 16 x 1,000 tokens the KV context is the larger part of a small model's step, so int8's half-size rows show.
 
-    python scripts/bench_kv_cache.py [--model DIR] [--batch 16] [--prompt-len 1000] [--threads 1] [--rounds 3]
+    python scripts/bench_kv_cache.py [--model DIR] [--batch 16] [--prompt-len 1000] [--decode-len 128] [--threads 1]
+                                     [--rounds 3]
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ def main() -> int:
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=1000)
-    ap.add_argument("--decode-len", type=int, default=32)
+    # 128: at 32 (until session 27) a round's decode lasted ~0.4 s and one noisy spell decided it (int8 over bf16
+    # 0.90x-1.27x round by round in two runs); at 128, 1.09x-1.24x.
+    ap.add_argument("--decode-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()

@@ -652,7 +652,7 @@ void item_q8_vnni(const T* qp, const int8_t* kp, const int8_t* vp, const float* 
                   const Layout& lay, const Item& it, Buffers& buf) {
   constexpr int C = D / 32;  // 32-element int16 chunks of a row
   constexpr int kRows = D <= 64 ? 4 : D <= 128 ? 2 : 1;  // value accumulators 2 * C * kRows <= 16 registers
-  const int64_t G = lay.G, R = it.nq * G, L = it.ctx - it.first, L2 = (L + 1) / 2 * 2;
+  const int64_t G = lay.G, R = it.nq * G, L = it.ctx - it.first;
   buf.q16.resize(R * D);
   buf.qs.resize(R);
   for (int64_t r = 0; r < R; ++r) {
