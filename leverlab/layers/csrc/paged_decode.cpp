@@ -194,7 +194,8 @@ inline std::pair<int64_t, int64_t> seeing(const Item& it, int64_t pos, int64_t G
 }
 
 struct Buffers {
-  std::vector<float> qf, acc, probs, inv, row, part, qs, vsf;
+  std::vector<float> qf, acc, probs, inv, row, part;
+  std::vector<float> qs, ws, vsf;  // item_q8_vnni: query scales, per-group weight scales, V scales
   std::vector<int16_t> q16, w16;
   std::vector<int64_t> offs;  // row_offsets()
 };
@@ -712,7 +713,7 @@ void item_q8_vnni(const T* qp, const int8_t* kp, const int8_t* vp, const float* 
   buf.vsf.resize(LG);
   for (int64_t i = 0; i < L; ++i) buf.vsf[i] = vsc[buf.offs[i] / D];
   buf.w16.resize(R * LG);
-  buf.qs.resize(R * NG);  // reused: each row's per-group weight scales
+  buf.ws.resize(R * NG);
   for (int64_t r = 0; r < R; ++r) {
     const auto [lo, e] = visible_positions(it, r, G, lay.window);
     const float* p = buf.probs.data() + r * L;
@@ -731,7 +732,7 @@ void item_q8_vnni(const T* qp, const int8_t* kp, const int8_t* vp, const float* 
       for (int h = 0; h < 2; ++h)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.w16.data() + r * LG + i0 + 16 * h),
                             _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w[h], _mm512_set1_ps(inv)))));
-      buf.qs[r * NG + g] = sc;
+      buf.ws[r * NG + g] = sc;
     }
   }
   // Two positions' V rows a step, as int16 pairs: within each 128-bit lane k of chunk c, `lo` holds elements
@@ -773,7 +774,7 @@ void item_q8_vnni(const T* qp, const int8_t* kp, const int8_t* vp, const float* 
         }
       }
       for (int j = 0; j < nr; ++j) {
-        const __m512 sc = _mm512_set1_ps(buf.qs[(r + j) * NG + g]);
+        const __m512 sc = _mm512_set1_ps(buf.ws[(r + j) * NG + g]);
 #pragma GCC unroll 16
         for (int c = 0; c < 2 * C; ++c)
           _mm512_store_ps(accf[j][c], _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[j][c]), sc, _mm512_load_ps(accf[j][c])));
