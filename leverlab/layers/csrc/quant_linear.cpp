@@ -1188,7 +1188,8 @@ inline void store16(T* y, __m512 v) {
   }
 #endif
   if constexpr (std::is_same_v<T, at::Half>) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), h);
     return;
   }
   alignas(64) float t[16];
@@ -1219,7 +1220,7 @@ inline void store16(T* y, __m512 v) {
 // at its start, the kind tested once. Per 128 weights that is a load, two ANDs, two broadcasts and two vpdpbusd.
 // Against the previous loop (a shift per vector, x as one 8-byte load split in general registers, a prefetch and
 // its kind's test per vector; session 28, a Zen 4, one thread, in one process, the same bits): int4 hot in L2/L3
-// 1.37-1.43x (the 0.6B shape's gate_up rows, 590 KB-3.5 MB: 14.7 -> 10.7 us at 1,024 rows), int6 1.17x; whole
+// 1.34-1.40x (the 0.6B shape's gate_up rows, 295 KB-3.5 MB: 14.7 -> 10.7 us at 1,024 rows), int6 1.17x; whole
 // int4 decodes in a slow spell of the machine's memory (where the stream, not the arithmetic, sets the pace)
 // 1.03x, paired medians over 10 generations.
 //
