@@ -1262,15 +1262,11 @@ __attribute__((always_inline)) inline void panel_rows(const uint8_t* p, int64_t 
   const int64_t K = x.K, wb = g / 8 * VB, gb = wb + 64;  // a group's weight bytes, and with its scales
   const int8_t* const xq = x.q + m0 * K;
   const float* const xscale = x.scale + m0 * x.B;
-  const int pf = stream_prefetch_mode(kFamily);
   __m512 o[MG];
   for (int m = 0; m < MG; ++m) o[m] = _mm512_setzero_ps();
   for (int64_t j = 0; j < G; ++j) {
     const uint8_t* pg = p + j * gb;
-    if (pf == kPrefetchNonTemporal)  // the group's lines, weights and scales
-      for (int64_t i = 0; i < gb; i += 64) prefetch_as<kPrefetchNonTemporal>(pg + i);
-    else if (pf != kPrefetchOff)
-      for (int64_t i = 0; i < gb; i += 64) prefetch_stream<kFamily>(pg + i);
+    prefetch_lines<kFamily>(pg, gb);  // the group's lines, weights and scales
     const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + wb)));
     const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + wb + 32)));
     for (int64_t c0 = 0; c0 < g; c0 += XS) {  // one x scale each

@@ -71,3 +71,17 @@ inline void prefetch_stream(const void* here) {
   else if (mode == kPrefetchL2)
     prefetch_as<kPrefetchL2>(here);
 }
+
+// Every 64-byte line of [here, here + bytes) prefetched in the kind measured for Family, the kind read once: for a
+// kernel that requests a block of its stream at a time (an int4/int6 panel's group) rather than line by line.
+template <int Family>
+inline void prefetch_lines(const void* here, int64_t bytes) {
+  const char* c = static_cast<const char*>(here);
+  const int mode = stream_prefetch_mode(Family);
+  if (mode == kPrefetchNonTemporal)
+    for (int64_t i = 0; i < bytes; i += 64) prefetch_as<kPrefetchNonTemporal>(c + i);
+  else if (mode == kPrefetchAhead)
+    for (int64_t i = 0; i < bytes; i += 64) prefetch_as<kPrefetchAhead>(c + i);
+  else if (mode == kPrefetchL2)
+    for (int64_t i = 0; i < bytes; i += 64) prefetch_as<kPrefetchL2>(c + i);
+}
