@@ -9,7 +9,11 @@ its KV and goes to the back of the free queue; allocation takes blocks from the 
 evicted least-recently-freed first, and only when memory is needed.
 
 Invariant (check()): free-and-empty + free-but-cached + in-use == num_blocks; an in-use block's ref_count
-equals the number of live sequences holding it.
+equals the number of live sequences holding it; num_cached_free counts the free blocks with a hash.
+
+Threads: the engine thread alone changes this state; /metrics reads the counts from the server's event loop
+thread between steps or during one, so they are kept as plain ints (reading one is atomic) rather than
+recounted by iterating `free` (which raises "mutated during iteration" if the engine thread allocates then).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class BlockManager:
         # Unreferenced blocks in eviction order (front = next to reuse). Dict as an ordered set.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # chain hash -> block id
+        self._cached_free = 0  # blocks in `free` whose hash is set (kept, not recounted: see Threads above)
         self.evicted: set[int] = set()  # hashes that were cached and evicted (to explain misses)
         self.children: dict[int | None, set[tuple[int, ...]]] = {}  # parent hash -> token ids seen after it
         self.stats = PrefixStats()
@@ -66,7 +71,8 @@ class BlockManager:
 
     @property
     def num_cached_free(self) -> int:
-        return sum(1 for b in self.free if self.blocks[b].hash is not None)
+        """Free blocks that still hold reusable prefix-cache KV."""
+        return self._cached_free
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra blocks `seq` needs so that its first num_tokens tokens have slots."""
@@ -81,6 +87,7 @@ class BlockManager:
             block_id, _ = self.free.popitem(last=False)
             block = self.blocks[block_id]
             if block.hash is not None:  # evict its cached KV
+                self._cached_free -= 1
                 del self.cached[block.hash]
                 self.evicted.add(block.hash)
                 block.hash, block.token_ids = None, ()
@@ -108,6 +115,7 @@ class BlockManager:
         block.ref_count -= 1
         if block.ref_count == 0:
             self.free[block_id] = None
+            self._cached_free += block.hash is not None
 
     # ---- prefix caching -----------------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> int:
@@ -132,6 +140,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free[block_id]
+                self._cached_free -= 1  # it has a hash: it was found in `cached`
             block.ref_count += 1
             seq.block_table.append(block_id)
             seq.block_hashes.append(h)
@@ -186,6 +195,7 @@ class BlockManager:
             if h not in self.cached and block.hash is None:
                 block.hash, block.token_ids = h, tokens
                 self.cached[h] = block.block_id
+                self._cached_free += block.block_id in self.free  # a block a sliding window already released
                 self.evicted.discard(h)
 
     def reset_prefix_cache(self) -> int:
@@ -197,6 +207,7 @@ class BlockManager:
                 del self.cached[block.hash]
                 block.hash, block.token_ids = None, ()
                 n += 1
+        self._cached_free = 0
         self.evicted.clear()
         self.children.clear()
         return n
@@ -213,6 +224,8 @@ class BlockManager:
             if b.hash is not None:
                 assert self.cached.get(b.hash) == b.block_id, f"block {b.block_id} hash not indexed"
         assert len(held) + len(self.free) == self.num_blocks, "blocks leaked"
+        recount = sum(1 for b in self.free if self.blocks[b].hash is not None)
+        assert self._cached_free == recount, f"num_cached_free {self._cached_free}, recounted {recount}"
 
 
 def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:

@@ -1,5 +1,8 @@
 """Prefix caching: exact block ids, reuse, LRU eviction, miss reasons, and no change to a single token."""
 
+import threading
+import time
+
 import pytest
 
 from leverlab import LLM, SamplingParams
@@ -47,6 +50,40 @@ def test_reuse_exact_block_ids_and_lru_eviction():
     f = admit(bm, seq(range(12), sid=5))  # all three of its blocks were cached once, then evicted
     assert f.num_cached_tokens == 0
     assert bm.stats.miss_evicted == 12
+
+
+def test_cached_free_count_kept_and_readable_while_the_engine_allocates():
+    """/metrics reads the block counts from another thread while the engine thread allocates and frees: they
+    must stay exact and never raise (counting by iterating the free list raised "OrderedDict mutated during
+    iteration" and dropped every gauge from a scrape under load, session 29)."""
+    bm = BlockManager(num_blocks=512, block_size=BS, enable_prefix_caching=True)
+    stop, errors, reads = threading.Event(), [], [0]
+
+    def scrape():
+        while not stop.is_set():
+            try:
+                assert 0 <= bm.num_cached_free <= bm.num_free <= bm.num_blocks
+                reads[0] += 1
+            except Exception as e:  # noqa: BLE001 - any error here is the failure
+                errors.append(e)
+                return
+
+    t = threading.Thread(target=scrape)
+    t.start()
+    deadline, i = time.monotonic() + 0.5, 0
+    while time.monotonic() < deadline:  # the engine's side: prompts sharing prefixes come and go
+        live = [admit(bm, seq([j % 7 for j in range(k)] + [i, k], sid=i * 10 + k)) for k in range(4, 60, 5)]
+        bm.check(live)  # includes the kept count against a recount
+        for s in live:
+            bm.release(s)
+        i += 1
+    bm.check([])
+    assert bm.num_cached_free == sum(bm.blocks[b].hash is not None for b in bm.free) > 0
+    bm.reset_prefix_cache()
+    assert bm.num_cached_free == 0
+    stop.set()
+    t.join()
+    assert not errors and reads[0] > 0, errors
 
 
 def test_collision_never_returns_wrong_blocks(monkeypatch):
