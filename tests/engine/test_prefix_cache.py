@@ -68,22 +68,24 @@ def test_cached_free_count_kept_and_readable_while_the_engine_allocates():
                 errors.append(e)
                 return
 
-    t = threading.Thread(target=scrape)
+    t = threading.Thread(target=scrape, daemon=True)
     t.start()
-    deadline, i = time.monotonic() + 0.5, 0
-    while time.monotonic() < deadline:  # the engine's side: prompts sharing prefixes come and go
-        live = [admit(bm, seq([j % 7 for j in range(k)] + [i, k], sid=i * 10 + k)) for k in range(4, 60, 5)]
-        bm.check(live)  # includes the kept count against a recount
-        for s in live:
-            bm.release(s)
-        i += 1
+    try:
+        deadline, i = time.monotonic() + 0.5, 0
+        while time.monotonic() < deadline:  # the engine's side: prompts sharing prefixes come and go
+            live = [admit(bm, seq([j % 7 for j in range(k)] + [i, k], sid=i * 10 + k)) for k in range(4, 60, 5)]
+            bm.check(live)  # includes the kept count against a recount
+            for s in live:
+                bm.release(s)
+            i += 1
+    finally:
+        stop.set()
+        t.join()
+    assert not errors and reads[0] > 0, errors
     bm.check([])
     assert bm.num_cached_free == sum(bm.blocks[b].hash is not None for b in bm.free) > 0
     bm.reset_prefix_cache()
     assert bm.num_cached_free == 0
-    stop.set()
-    t.join()
-    assert not errors and reads[0] > 0, errors
 
 
 def test_collision_never_returns_wrong_blocks(monkeypatch):
