@@ -20,7 +20,9 @@ the start's and the end's read bandwidth, and a second list the share at the ban
 precision's block in the same round (where the machine's bandwidth moves within a run). A step's bytes are its
 weights and the KV cache its attention reads at the decode span's mean context (--prompt-len + --decode-len / 2;
 bf16 here, as llama.cpp's default f16 cache: the same bytes), so the roofline stays honest at long contexts, where
-the cache can outweigh an int4 model's weights; the weights-only shares are kept in the JSON. Raw figures and
+the cache can outweigh an int4 model's weights; the weights-only shares are kept in the JSON. Our precisions are
+also compared generation by generation (--pair-reps: each rep decodes once in every precision, seconds apart), since
+the rounds' blocks fall minutes apart, in different spells of the machine's bandwidth. Raw figures and
 settings go to results/bench_peer-<time>.json. llama.cpp is built once into the cache
 (leverlab/bench/peer_llamacpp.py says how and why).
 
@@ -35,6 +37,7 @@ import argparse
 import contextlib
 import json
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -285,6 +288,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--measurements", default=",".join(IN_PROCESS),
                     help=f"of {','.join(IN_PROCESS)} (a long --prompt-len makes decode16's batched prefill slow)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each counts")
+    ap.add_argument("--pair-reps", type=int, default=8,
+                    help="our single streams, every precision decoding once per rep, seconds apart (0: none)")
     ap.add_argument("--threads", type=int, default=1, help="threads of every engine")
     ap.add_argument("--prompt-len", type=int, default=128, help="context before decode (llama-bench -d)")
     ap.add_argument("--decode-len", type=int, default=64)
@@ -354,6 +359,11 @@ def main() -> int:
         weight_bytes = {p: {OURS: ours[p].weight_bytes if ours[p] else None,
                             THEIRS: peer.gguf_weight_bytes(ggufs[p], root)} for p in args.precisions}
         best = run_rounds(args, ours, bins, ggufs, result["rounds"], out.with_suffix(""))
+        if "decode" in args.measurements:
+            g = torch.Generator().manual_seed(1)
+            prompt = torch.randint(100, 1000, (args.prompt_len,), generator=g).tolist()
+            result["paired_precision_ratios"] = paired_precision_ratios(
+                lambda p: ours[p].measure("decode", [prompt]) if ours.get(p) else None, args)
     finally:  # idle workers hold memory and threads; the end bandwidth figure wants neither
         for o in ours.values():
             if o is not None:
@@ -368,6 +378,7 @@ def main() -> int:
     if "decode" in args.measurements:
         result["precision_ratios"] = precision_ratios(result["rounds"], best, args)
         print_precision_ratios(result["precision_ratios"], args)
+        print_paired_ratios(result.get("paired_precision_ratios"), args)
     print_notes(result["rounds"], weight_bytes, args)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))
@@ -505,6 +516,43 @@ def precision_ratios(rounds: list, best: dict, args) -> dict:
                 per_round.append(x / y if x and y else None)
             out.setdefault(p, {})[eng] = {"best": a / b if a and b else None, "rounds": per_round}
     return out
+
+
+def paired_precision_ratios(decode, args) -> dict | None:
+    """Our single streams over the first precision's, measured generation by generation: each of --pair-reps reps
+    decodes once in every precision (`decode(p)` -> tok/s, None where that precision is missing), in reverse order
+    every other rep, so a figure and the base's it is divided by are seconds apart and share a spell of the
+    machine's bandwidth (the rounds' blocks are minutes apart and may not). Returns {"reps": n, "tok_s": {p: [..]},
+    "ratios": {p: {"median": median of the per-rep ratios, "best": best rep over best rep, "pairs": [..]}}}, or
+    None without reps or without the base precision."""
+    base = args.precisions[0]
+    if args.pair_reps <= 0 or len(args.precisions) < 2:
+        return None
+    rates: dict[str, list] = {p: [] for p in args.precisions}
+    for rep in range(args.pair_reps):
+        for p in args.precisions if rep % 2 == 0 else args.precisions[::-1]:
+            rates[p].append(decode(p))
+    if any(v is None for v in rates[base]):
+        return None
+    ratios = {}
+    for p in args.precisions[1:]:
+        if any(v is None for v in rates[p]):
+            continue
+        pairs = [a / b for a, b in zip(rates[p], rates[base])]
+        ratios[p] = {"median": statistics.median(pairs), "best": max(rates[p]) / max(rates[base]), "pairs": pairs}
+    return {"reps": args.pair_reps, "tok_s": rates, "ratios": ratios}
+
+
+def print_paired_ratios(paired: dict | None, args) -> None:
+    if not paired or not paired["ratios"]:
+        return
+    base = args.precisions[0]
+    print(f"\nour single stream over {base}'s, generation by generation ({paired['reps']} reps, every precision once a "
+          f"rep, seconds apart; {base} {statistics.median(paired['tok_s'][base]):.1f} tok/s median): the median of "
+          "the reps' ratios, the best rep over the best rep, and rep by rep:")
+    for p, r in paired["ratios"].items():
+        print(f"  {p:5s} LeverLab {r['median']:.2f}x median, {r['best']:.2f}x best "
+              f"({', '.join(f'{x:.2f}x' for x in r['pairs'])})")
 
 
 def print_precision_ratios(ratios: dict, args) -> None:

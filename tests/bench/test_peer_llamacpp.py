@@ -106,3 +106,35 @@ def test_peer_precision_ratios_best_and_round_by_round(monkeypatch):
     assert ours["rounds"] == [pytest.approx(2.5), pytest.approx(3.5)]
     theirs = ratios["int4"]["llamacpp"]
     assert theirs["best"] == pytest.approx(45.0 / 20.0) and theirs["rounds"] == [pytest.approx(2.0), None]
+
+
+def test_peer_paired_ratios_generation_by_generation(monkeypatch):
+    """Our precisions decoded once each per rep, alternately forwards and backwards: the median of the reps' ratios
+    to the first precision and the best rep over the best rep; a precision that could not start is left out, and
+    without the base there are no ratios."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[2] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))
+    bench_peer = importlib.import_module("bench_peer")
+    monkeypatch.setattr(sys, "argv", ["bench_peer", "--model", str(default_model_path()), "--pair-reps", "3",
+                                      "--precisions", "bf16,int8,int4"])
+    args = bench_peer.parse_args()
+    figures = {"bf16": iter([20.0, 40.0, 30.0]), "int4": iter([60.0, 90.0, 81.0])}
+    order = []
+
+    def decode(p):
+        order.append(p)
+        return next(figures[p]) if p in figures else None  # int8 failed to start
+
+    paired = bench_peer.paired_precision_ratios(decode, args)
+    assert order == ["bf16", "int8", "int4", "int4", "int8", "bf16", "bf16", "int8", "int4"]
+    assert list(paired["ratios"]) == ["int4"] and paired["reps"] == 3
+    int4 = paired["ratios"]["int4"]
+    assert int4["pairs"] == [pytest.approx(3.0), pytest.approx(2.25), pytest.approx(2.7)]
+    assert int4["median"] == pytest.approx(2.7) and int4["best"] == pytest.approx(90.0 / 40.0)
+    assert bench_peer.paired_precision_ratios(lambda p: None, args) is None
+    monkeypatch.setattr(args, "pair_reps", 0)
+    assert bench_peer.paired_precision_ratios(decode, args) is None
