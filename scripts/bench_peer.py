@@ -28,6 +28,7 @@ settings go to results/bench_peer-<time>.json. llama.cpp is built once into the 
 
     python scripts/bench_peer.py [--model DIR] [--precisions bf16,int8,int4] [--rounds 3] [--threads 1]
                                  [--measurements decode,prefill,decode16] [--prompt-len 128] [--no-servers]
+                                 [--pair-reps 8]
                                  [--llamacpp-dir DIR]
 """
 
