@@ -42,22 +42,26 @@ def test_missing_cmake_says_how_to_get_it(monkeypatch):
         peer._cmake()
 
 
-def test_peer_roofline_counts_the_kv_cache_a_step_reads(monkeypatch):
-    """bench_peer's roofline: a decode step reads the weights once and every sequence's K and V at the decode
-    span's mean context (16-bit cache, both engines), so long contexts do not read as a low share of the weights."""
+def _bench_peer(monkeypatch, *argv: str):
+    """scripts/bench_peer.py imported, and its arguments parsed from argv: (the module, args)."""
     import importlib
     import sys
     from pathlib import Path
 
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
+    bench_peer = importlib.import_module("bench_peer")
+    monkeypatch.setattr(sys, "argv", ["bench_peer", *argv])
+    return bench_peer, bench_peer.parse_args()
+
+
+def test_peer_roofline_counts_the_kv_cache_a_step_reads(monkeypatch):
+    """bench_peer's roofline: a decode step reads the weights once and every sequence's K and V at the decode
+    span's mean context (16-bit cache, both engines), so long contexts do not read as a low share of the weights."""
     from leverlab.models.config import ModelConfig
 
-    scripts = Path(__file__).resolve().parents[2] / "scripts"
-    monkeypatch.syspath_prepend(str(scripts))
-    bench_peer = importlib.import_module("bench_peer")
     model = default_model_path()
-    monkeypatch.setattr(sys, "argv", ["bench_peer", "--model", str(model), "--prompt-len", "1000",
-                                      "--decode-len", "64", "--batch", "4", "--precisions", "int4"])
-    args = bench_peer.parse_args()
+    bench_peer, args = _bench_peer(monkeypatch, "--model", str(model), "--prompt-len", "1000", "--decode-len", "64",
+                                   "--batch", "4", "--precisions", "int4")
     c = ModelConfig.from_folder(model)
     per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
     assert args.kv_bytes_per_token == per_token
@@ -71,24 +75,15 @@ def test_peer_roofline_counts_the_kv_cache_a_step_reads(monkeypatch):
     assert four["with_kv"] == pytest.approx(120.0 / 4 * (10**8 + 4 * 1032 * per_token) / 40e9)
     assert "prefill" not in shares["int4"]  # no roofline for prompt processing
     assert args.measurements == ["decode", "prefill", "decode16"]
-    monkeypatch.setattr(sys, "argv", ["bench_peer", "--model", str(model), "--measurements", "decode,prefil"])
     with pytest.raises(SystemExit):  # argparse's error: names the unknown one and the known ones
-        bench_peer.parse_args()
+        _bench_peer(monkeypatch, "--model", str(model), "--measurements", "decode,prefil")
 
 
 def test_peer_precision_ratios_best_and_round_by_round(monkeypatch):
     """The quantized single streams over bf16's: the ratio of the best rounds, and within each round (the same
     spell of the machine's bandwidth), per engine; a missing figure leaves its ratios empty, not zero."""
-    import importlib
-    import sys
-    from pathlib import Path
-
-    scripts = Path(__file__).resolve().parents[2] / "scripts"
-    monkeypatch.syspath_prepend(str(scripts))
-    bench_peer = importlib.import_module("bench_peer")
-    monkeypatch.setattr(sys, "argv", ["bench_peer", "--model", str(default_model_path()), "--rounds", "2",
-                                      "--precisions", "bf16,int4"])
-    args = bench_peer.parse_args()
+    bench_peer, args = _bench_peer(monkeypatch, "--model", str(default_model_path()), "--rounds", "2",
+                                   "--precisions", "bf16,int4")
     rate = {(1, "bf16", "leverlab"): 25.0, (1, "int4", "leverlab"): 62.5, (2, "bf16", "leverlab"): 20.0,
             (2, "int4", "leverlab"): 70.0, (1, "bf16", "llamacpp"): 20.0, (1, "int4", "llamacpp"): 40.0,
             (2, "bf16", "llamacpp"): None, (2, "int4", "llamacpp"): 45.0}
@@ -112,16 +107,8 @@ def test_peer_paired_ratios_generation_by_generation(monkeypatch):
     """Our precisions decoded once each per rep, alternately forwards and backwards: the median of the reps' ratios
     to the first precision and the best rep over the best rep; a precision that could not start is left out, and
     without the base there are no ratios."""
-    import importlib
-    import sys
-    from pathlib import Path
-
-    scripts = Path(__file__).resolve().parents[2] / "scripts"
-    monkeypatch.syspath_prepend(str(scripts))
-    bench_peer = importlib.import_module("bench_peer")
-    monkeypatch.setattr(sys, "argv", ["bench_peer", "--model", str(default_model_path()), "--pair-reps", "3",
-                                      "--precisions", "bf16,int8,int4"])
-    args = bench_peer.parse_args()
+    bench_peer, args = _bench_peer(monkeypatch, "--model", str(default_model_path()), "--pair-reps", "3",
+                                   "--precisions", "bf16,int8,int4")
     figures = {"bf16": iter([20.0, 40.0, 30.0]), "int4": iter([60.0, 90.0, 81.0])}
     order = []
 
