@@ -2,8 +2,9 @@
 
 The kernels read a decode step's weights as one stream and prefetch ahead of it in one of four ways
 (csrc/stream_hint.h), and which is fastest depends on the machine and on whether the model fits in its caches:
-  nta  non-temporal, 1 KB ahead: keeps the stream from evicting the rest of the step's working set; 8-20% faster
-       per step on a Zen 3 (sessions 5-7). The default until measured.
+  nta  non-temporal, 1 KB ahead (the int4/int6 panels 4 KB: csrc/quant_linear.cpp): keeps the stream from
+       evicting the rest of the step's working set; 8-20% faster per step on a Zen 3 (sessions 5-7). The default
+       until measured.
   t0   into every cache level, 4 KB ahead: on an Intel Xeon (Sapphire/Emerald Rapids) the quantized kernels had
        waited on memory for every line, arithmetic and memory taking turns; with it one core read int4 weights at
        12.3 GB/s where no prefetch gave 7.6 and nta 8.2 (session 10), and two threads on the Qwen3-0.6B shape's

@@ -1252,6 +1252,15 @@ __attribute__((always_inline)) inline void panel_unpack(const uint8_t* pv, __m51
   }
 }
 
+// The non-temporal kind's distance for the panels: 4 KB, about seven int4 groups ahead, where the other kernels
+// request 1 KB. Measured on a Zen 4 (session 30; the int4 0.6B shape's greedy decodes, 128 tokens after 128, in one
+// process with the distance switched per generation, paired medians of 8-10): 1 KB 1.00, 2 KB 1.03, 3 KB 1.04,
+// 4 KB 1.05-1.07 (four runs, fast and slow spells of the memory), 6 KB 1.05, 8 KB 1.04, 16 KB 1.02, 32 KB 0.98;
+// of 4 KB's 1.05, the int4 body took 1.03 and the int6 head 1.01. T0 4 KB ahead (the t0 kind): 1.01. The bf16 and
+// int8 kernels lost with it (0.96 and 0.92 against their measured kinds) and keep 1 KB. (Session 27's loop, a
+// prefetch per vector, had lost with 2 and 4 KB: 0.87x, 0.89x; requesting a group's lines at once changed that.)
+constexpr int64_t kPanelNtaAhead = 4096;
+
 template <int MG, int XS, bool SIX>
 __attribute__((always_inline)) inline void panel_rows(const uint8_t* p, int64_t G, int64_t g, const QuantizedRows& x,
                                                       const float* gsum, int64_t G16, int64_t m0, __m512* out) {
@@ -1266,7 +1275,7 @@ __attribute__((always_inline)) inline void panel_rows(const uint8_t* p, int64_t 
   for (int m = 0; m < MG; ++m) o[m] = _mm512_setzero_ps();
   for (int64_t j = 0; j < G; ++j) {
     const uint8_t* pg = p + j * gb;
-    prefetch_lines<kFamily>(pg, gb);  // the group's lines, weights and scales
+    prefetch_lines<kFamily, kPanelNtaAhead>(pg, gb);  // the group's lines, weights and scales
     const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + wb)));
     const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + wb + 32)));
     for (int64_t c0 = 0; c0 < g; c0 += XS) {  // one x scale each

@@ -2,7 +2,7 @@
 // of a kind chosen per model at load (layers/prefetch_tune.py), because the best kind depends on the machine.
 //
 // A decode step streams every weight once. Four ways to read that stream, each the best somewhere:
-//  - non-temporal (PREFETCHNTA, 1 KB ahead): lines come in marked for early eviction, so a stream larger than
+//  - non-temporal (PREFETCHNTA, 1 KB ahead; the int4/int6 panels 4 KB): lines come in marked for early eviction, so a stream larger than
 //    the caches does not displace the rest of the step's working set (the engine's Python, the KV cache, the
 //    activations): 8-20% faster per decode step on a Zen 3 (scripts/profile_step.py, interleaved runs).
 //  - ahead (PREFETCHT0, 4 KB ahead): on an Intel Xeon (Sapphire/Emerald Rapids, session 10) the quantized kernels
@@ -31,7 +31,7 @@
 enum StreamPrefetch : int { kPrefetchOff = 0, kPrefetchNonTemporal = 1, kPrefetchAhead = 2, kPrefetchL2 = 3 };
 
 // Bytes ahead of the current read, per kind: far enough to cover the memory latency at streaming rates.
-constexpr int64_t kNonTemporalAhead = 1024;  // 512 B..2 KB measured alike on a Zen 3
+constexpr int64_t kNonTemporalAhead = 1024;  // 512 B..2 KB measured alike on a Zen 3 (the int4/int6 panels: 4 KB)
 constexpr int64_t kT0Ahead = 4096;
 constexpr int64_t kL2Ahead = 4096;
 
@@ -47,12 +47,12 @@ inline int& stream_prefetch_mode(int family) {
 }
 
 // The prefetch of kind Mode for the line being read now: for a kernel instantiated per kind (the bf16 kernel), so
-// that nothing is tested per line; T0Ahead and L2Ahead are the T0 and L2 kinds' distances in bytes, the caller's
+// that nothing is tested per line; T0Ahead, L2Ahead and NtaAhead are the kinds' distances in bytes, the caller's
 // own where it measured one.
-template <int Mode, int64_t T0Ahead = kT0Ahead, int64_t L2Ahead = kL2Ahead>
+template <int Mode, int64_t T0Ahead = kT0Ahead, int64_t L2Ahead = kL2Ahead, int64_t NtaAhead = kNonTemporalAhead>
 inline void prefetch_as(const void* here) {
   if constexpr (Mode == kPrefetchNonTemporal)
-    __builtin_prefetch(static_cast<const char*>(here) + kNonTemporalAhead, 0, 0);
+    __builtin_prefetch(static_cast<const char*>(here) + NtaAhead, 0, 0);
   else if constexpr (Mode == kPrefetchAhead)
     __builtin_prefetch(static_cast<const char*>(here) + T0Ahead, 0, 3);
   else if constexpr (Mode == kPrefetchL2)
@@ -74,12 +74,13 @@ inline void prefetch_stream(const void* here) {
 
 // Every 64-byte line of [here, here + bytes) prefetched in the kind measured for Family, the kind read once: for a
 // kernel that requests a block of its stream at a time (an int4/int6 panel's group) rather than line by line.
-template <int Family>
+// NtaAhead: the non-temporal kind's distance, the caller's own where it measured one.
+template <int Family, int64_t NtaAhead = kNonTemporalAhead>
 inline void prefetch_lines(const void* here, int64_t bytes) {
   const char* c = static_cast<const char*>(here);
   const int mode = stream_prefetch_mode(Family);
   if (mode == kPrefetchNonTemporal)
-    for (int64_t i = 0; i < bytes; i += 64) prefetch_as<kPrefetchNonTemporal>(c + i);
+    for (int64_t i = 0; i < bytes; i += 64) prefetch_as<kPrefetchNonTemporal, kT0Ahead, kL2Ahead, NtaAhead>(c + i);
   else if (mode == kPrefetchAhead)
     for (int64_t i = 0; i < bytes; i += 64) prefetch_as<kPrefetchAhead>(c + i);
   else if (mode == kPrefetchL2)
