@@ -2,9 +2,10 @@
 // of a kind chosen per model at load (layers/prefetch_tune.py), because the best kind depends on the machine.
 //
 // A decode step streams every weight once. Four ways to read that stream, each the best somewhere:
-//  - non-temporal (PREFETCHNTA, 1 KB ahead; the int4/int6 panels 4 KB): lines come in marked for early eviction, so a stream larger than
-//    the caches does not displace the rest of the step's working set (the engine's Python, the KV cache, the
-//    activations): 8-20% faster per decode step on a Zen 3 (scripts/profile_step.py, interleaved runs).
+//  - non-temporal (PREFETCHNTA, 1 KB ahead; the int4/int6 panels 4 KB): lines come in marked for early eviction,
+//    so a stream larger than the caches does not displace the rest of the step's working set (the engine's Python,
+//    the KV cache, the activations): 8-20% faster per decode step on a Zen 3 (scripts/profile_step.py, interleaved
+//    runs).
 //  - ahead (PREFETCHT0, 4 KB ahead): on an Intel Xeon (Sapphire/Emerald Rapids, session 10) the quantized kernels
 //    had stalled on memory for every line, their arithmetic and the memory stream taking turns instead of
 //    overlapping: one core read int4 weights at 7.6 GB/s without a prefetch, 8.2 non-temporally and 12.3 with
