@@ -361,8 +361,7 @@ def main() -> int:
                             THEIRS: peer.gguf_weight_bytes(ggufs[p], root)} for p in args.precisions}
         best = run_rounds(args, ours, bins, ggufs, result["rounds"], out.with_suffix(""))
         if "decode" in args.measurements:
-            g = torch.Generator().manual_seed(1)
-            prompt = torch.randint(100, 1000, (args.prompt_len,), generator=g).tolist()
+            prompt = random_ids(torch.Generator().manual_seed(1), args.prompt_len)
             try:
                 result["paired_precision_ratios"] = paired_precision_ratios(
                     lambda p: ours[p].measure("decode", [prompt]) if ours.get(p) else None, args)
@@ -390,11 +389,16 @@ def main() -> int:
     return 0
 
 
+def random_ids(g: torch.Generator, n: int) -> list[int]:
+    """n token ids in 100..999 drawn from g: the prompts of every measurement (the rounds and the paired block)."""
+    return torch.randint(100, 1000, (n,), generator=g).tolist()
+
+
 def run_rounds(args, ours: dict, bins: dict, ggufs: dict, rounds: list, work: Path) -> dict:
     """Every measurement of every precision, one engine at a time, `args.rounds` times; every figure is appended
     to `rounds`, the best of each returned as {precision: {measurement: {engine: tok/s}}}."""
     g = torch.Generator().manual_seed(0)
-    rand = lambda n: torch.randint(100, 1000, (n,), generator=g).tolist()  # noqa: E731
+    rand = lambda n: random_ids(g, n)  # noqa: E731
     best: dict = {}
     for rnd in range(1, args.rounds + 1):
         # Odd rounds run ours first, even rounds theirs first: a drift within a round hits both alike.
