@@ -1,5 +1,7 @@
 """The fused decode path (models/fused.py, one C++ forward per short step) against the module path."""
 
+import time
+
 import pytest
 import torch
 
@@ -234,3 +236,30 @@ def test_greedy_argmax_is_the_first_maximum():
         x[nans] = float("nan")
         assert kern.argmax_first(x) == int(torch.where(x.isnan(), -float("inf"), x).argmax())
     assert kern.argmax_first(torch.full((40,), -float("inf"))) == 0
+
+
+def test_phase_timing_accounts_each_fused_step(checkpoint_factory):
+    """The fused step's phase timers (scripts/profile_step.py): off, nothing is timed; on, every step is, in every
+    phase, within the wall time of the generate; phase_bytes names the bytes each linear phase reads a step."""
+    llm = LLM(checkpoint_factory("qwen3"), dtype="float32")
+    dec = llm.engine.runner.fused.dec
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate(PROMPTS[:1], params)
+    assert dict(dec.phase_times())["steps"] == 0
+    dec.set_phase_timing(True)
+    steps_before = llm.engine.runner.fused_steps
+    t0 = time.perf_counter()
+    llm.generate(PROMPTS[:1], params)
+    wall = time.perf_counter() - t0
+    dec.set_phase_timing(False)
+    times = dict(dec.phase_times())
+    assert list(times) == ["norms", "qkv", "rope", "attention", "o", "gate_up", "act", "down", "head", "steps"]
+    assert times.pop("steps") == llm.engine.runner.fused_steps - steps_before > 0
+    assert all(v > 0 for v in times.values()) and sum(times.values()) < wall
+    assert dict(dec.phase_times())["steps"] == 0  # read and started again
+    model = llm.engine.runner.model
+    weights = {name: sum(getattr(layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp, name).weight.nbytes
+                         for layer in model.model.layers) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+    nbytes = dict(dec.phase_bytes())
+    assert nbytes == {"qkv": weights["qkv_proj"], "o": weights["o_proj"], "gate_up": weights["gate_up_proj"],
+                      "down": weights["down_proj"], "head": model.lm_head.weight.nbytes}

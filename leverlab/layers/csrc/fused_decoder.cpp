@@ -16,9 +16,13 @@
 #include <torch/extension.h>
 #include <torch/csrc/jit/api/object.h>
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cmath>
+#include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "vec_math.h"
@@ -31,6 +35,37 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
 
 namespace {
+
+// Where a step's time goes (scripts/step_phases.py): wall time per phase, summed over the layers and the steps, taken
+// only while switched on (FusedDecoder.set_phase_timing), so that otherwise a phase costs one untaken branch. Why
+// built in: sessions 29-31 each added such timers by hand to find where an int4 step's time went, then removed them.
+// Phases, in a step's order: norms (the embedding lookup, every RMS norm, the residual adds outside the linears'
+// laps, EAGLE's feature copies), qkv, rope (q/k norms and rotary), attention (paged_decode, with the new K/V's
+// write), o (with its residual add), gate_up, act (SiLU times up), down (with its residual add), head (the output
+// head's logits and their argmax).
+enum Phase : int { kNorms, kQkv, kRope, kAttention, kO, kGateUp, kAct, kDown, kHead, kPhases };
+constexpr const char* kPhaseNames[kPhases] = {"norms", "qkv", "rope", "attention", "o", "gate_up", "act", "down",
+                                              "head"};
+
+class PhaseClock {
+ public:
+  explicit PhaseClock(double* ns) : ns_(ns), t_(ns != nullptr ? now() : 0) {}
+  // The time since the last lap (or the start) goes to phase p.
+  void lap(Phase p) {
+    if (ns_ == nullptr) return;
+    const int64_t n = now();
+    ns_[p] += static_cast<double>(n - t_);
+    t_ = n;
+  }
+
+ private:
+  static int64_t now() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  double* ns_;  // null: not timing
+  int64_t t_;
+};
 
 // A linear layer as the fused path sees it (the kernels are in quant_linear.cpp). kind 0: float weight [N, K];
 // 1: int8 weight [N, K] with a float32 scale per output row, weight-only (3: the same with bf16/fp16 activations
@@ -239,9 +274,11 @@ class FusedDecoder {
       const std::vector<std::vector<int64_t>>& tables, const std::vector<int64_t>& seq_lens,
       const std::vector<int64_t>& qsl, const std::vector<int64_t>& rows) {
     TORCH_CHECK(head_.w.defined(), "FusedDecoder.step: set_head first");
+    PhaseClock clock = start_clock();
     std::vector<at::Tensor> out =
-        forward(i64(ids), i64(positions), i64(slots), block_table(tables), i64(seq_lens), i64(qsl));
+        forward_timed(i64(ids), i64(positions), i64(slots), block_table(tables), i64(seq_lens), i64(qsl), clock);
     auto [logits, best] = head_rows(out[0], rows);
+    clock.lap(kHead);
     c10::optional<at::Tensor> aux = out.size() > 1 ? c10::optional<at::Tensor>(out[1]) : c10::nullopt;
     return {out[0], aux, logits, best};
   }
@@ -267,11 +304,13 @@ class FusedDecoder {
     TORCH_CHECK(features.dim() == 2 && features.size(0) == static_cast<int64_t>(ids.size()) &&
                     features.size(1) == embed_.size(1), "head_step: features [T, H]");
     at::Tensor h, y;  // the head's hidden states, and after its output norm
+    PhaseClock clock = start_clock();
     AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, embed_.scalar_type(), "fused_head", [&] {
       std::tie(h, y) = head_run<scalar_t>(i64(ids), features.to(embed_.scalar_type()).contiguous(), i64(positions),
-                                          i64(slots), block_table(tables), i64(seq_lens), i64(qsl));
+                                          i64(slots), block_table(tables), i64(seq_lens), i64(qsl), clock);
     });
     auto [logits, best] = head_rows(y, rows);
+    clock.lap(kHead);
     return {h, logits, best};
   }
 
@@ -280,10 +319,40 @@ class FusedDecoder {
   std::vector<at::Tensor> forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                   const at::Tensor& query_start_loc) {
-    std::vector<at::Tensor> out;
-    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, embed_.scalar_type(), "fused_decoder", [&] {
-      out = run<scalar_t>(ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc);
-    });
+    PhaseClock clock = start_clock();
+    return forward_timed(ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc, clock);
+  }
+
+  // Phase timing (PhaseClock) on or off; phase_times() returns {phase: seconds} summed since the last call (and
+  // "steps": the calls timed: step, forward, head_step), then starts the sums again.
+  void set_phase_timing(bool on) { timing_ = on; }
+  std::vector<std::pair<std::string, double>> phase_times() {
+    std::vector<std::pair<std::string, double>> out;
+    for (int p = 0; p < kPhases; ++p) out.emplace_back(kPhaseNames[p], phase_ns_[p] * 1e-9);
+    out.emplace_back("steps", static_cast<double>(timed_steps_));
+    phase_ns_.fill(0.0);
+    timed_steps_ = 0;
+    return out;
+  }
+  // The bytes of weights (and their scales) each linear phase reads per step: {phase: bytes}, the layers summed.
+  std::vector<std::pair<std::string, double>> phase_bytes() const {
+    auto bytes = [](const Lin& l) {  // int4/int6 panels (3-D) carry their scales: the scale tensor is not read
+      const bool panels = (l.kind == 2 || l.kind == 4) && l.w.defined() && l.w.dim() == 3;
+      double b = 0;
+      for (const at::Tensor* t : {&l.w, &l.scale, &l.bias})
+        if (t->defined() && !(panels && t == &l.scale)) b += static_cast<double>(t->nbytes());
+      return b;
+    };
+    std::array<double, kPhases> b{};
+    for (const Layer& l : layers_) {
+      b[kQkv] += bytes(l.qkv);
+      b[kO] += bytes(l.o);
+      b[kGateUp] += bytes(l.gate_up);
+      b[kDown] += bytes(l.down);
+    }
+    b[kHead] = bytes(head_);
+    std::vector<std::pair<std::string, double>> out;
+    for (Phase p : {kQkv, kO, kGateUp, kDown, kHead}) out.emplace_back(kPhaseNames[p], b[p]);
     return out;
   }
 
@@ -291,6 +360,21 @@ class FusedDecoder {
   void set_aux_layers(std::vector<int64_t> aux_layers) { aux_layers_ = std::move(aux_layers); }
 
  private:
+  PhaseClock start_clock() {
+    if (timing_) ++timed_steps_;
+    return PhaseClock(timing_ ? phase_ns_.data() : nullptr);
+  }
+
+  std::vector<at::Tensor> forward_timed(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slots,
+                                        const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& qsl,
+                                        PhaseClock& clock) {
+    std::vector<at::Tensor> out;
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, embed_.scalar_type(), "fused_decoder", [&] {
+      out = run<scalar_t>(ids, positions, slots, tables, lens, qsl, clock);
+    });
+    return out;
+  }
+
   static at::Tensor i64(const std::vector<int64_t>& v) { return at::tensor(at::ArrayRef<int64_t>(v), at::kLong); }
 
   static at::Tensor block_table(const std::vector<std::vector<int64_t>>& tables) {  // padded with block 0
@@ -322,7 +406,7 @@ class FusedDecoder {
   template <typename T>
   std::pair<at::Tensor, at::Tensor> head_run(const at::Tensor& ids, const at::Tensor& f, const at::Tensor& positions,
                                              const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lens,
-                                             const at::Tensor& qsl) {
+                                             const at::Tensor& qsl, PhaseClock& clock) {
     const int64_t T_ = ids.size(0), H = embed_.size(1);
     const float eps = static_cast<float>(eps_);
     check_positions(positions);
@@ -332,14 +416,17 @@ class FusedDecoder {
     at::Tensor x = norm_before_residual_ ? nf.clone() : f.clone();  // the residual stream
     at::Tensor y = at::empty_like(x);  // the MLP norm's buffer, then the output norm's
     std::vector<T> tmp(d_);
-    layer<T>(layers_[0], x, at::cat({ne, nf}, 1), y, tmp, positions, slots, tables, lens, qsl);
+    clock.lap(kNorms);
+    layer<T>(layers_[0], x, at::cat({ne, nf}, 1), y, tmp, positions, slots, tables, lens, qsl, clock);
     rms_norm_rows<T>(x.data_ptr<T>(), final_norm_.data_ptr<T>(), y.data_ptr<T>(), T_, H, eps);
+    clock.lap(kNorms);
     return {x, y};
   }
 
   template <typename T>
   std::vector<at::Tensor> run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slots,
-                              const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& qsl) {
+                              const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& qsl,
+                              PhaseClock& clock) {
     const int64_t T_ = ids.size(0), H = embed_.size(1);
     const float eps = static_cast<float>(eps_);
     check_positions(positions);
@@ -350,13 +437,15 @@ class FusedDecoder {
     std::vector<T> tmp(d_);
     for (const Layer& l : layers_) {
       rms_norm_rows<T>(x.data_ptr<T>(), l.in_norm.data_ptr<T>(), h.data_ptr<T>(), T_, H, eps);
-      layer<T>(l, x, h, h, tmp, positions, slots, tables, lens, qsl);
+      clock.lap(kNorms);
+      layer<T>(l, x, h, h, tmp, positions, slots, tables, lens, qsl, clock);
       const int64_t li = &l - layers_.data();
       for (size_t j = 0; j < aux_layers_.size(); ++j)
         if (aux_layers_[j] == li) aux.narrow(1, static_cast<int64_t>(j) * H, H).copy_(x);
     }
     at::Tensor y = at::empty_like(x);
     rms_norm_rows<T>(x.data_ptr<T>(), final_norm_.data_ptr<T>(), y.data_ptr<T>(), T_, H, eps);
+    clock.lap(kNorms);
     if (aux.defined()) return {y, aux};
     return {y};
   }
@@ -375,12 +464,13 @@ class FusedDecoder {
   template <typename T>
   void layer(const Layer& l, at::Tensor& x, const at::Tensor& h, at::Tensor& hm, std::vector<T>& tmp,
              const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lens,
-             const at::Tensor& qsl) {
+             const at::Tensor& qsl, PhaseClock& clock) {
     const int64_t T_ = x.size(0), H = x.size(1), D = d_, QW = nh_ * D, KW = nkv_ * D;
     const float eps = static_cast<float>(eps_);
     const int64_t* pos = positions.data_ptr<int64_t>();
     // ---- attention block
     at::Tensor qkv = apply(l.qkv, h);  // [T, QW + 2 KW]
+    clock.lap(kQkv);
     T* qp = qkv.data_ptr<T>();
     const int64_t row = QW + 2 * KW;
     for (int64_t t = 0; t < T_; ++t) {
@@ -395,16 +485,21 @@ class FusedDecoder {
         rope_head<T>(head, c, s, D, tmp.data());
       }
     }
+    clock.lap(kRope);
     at::Tensor q = qkv.narrow(1, 0, QW).view({T_, nh_, D});
     at::Tensor k = qkv.narrow(1, QW, KW).view({T_, nkv_, D});
     at::Tensor v = qkv.narrow(1, QW + KW, KW).view({T_, nkv_, D});
     TORCH_CHECK(l.k_cache.defined(), "FusedDecoder: a layer's KV cache is [2, num_blocks, block_size, NKV, D]");
     at::Tensor o = paged_decode(q, k, v, l.k_cache, l.v_cache, slots, tables, lens, qsl, scale_, l.window, l.k_scale,
                                 l.v_scale);
+    clock.lap(kAttention);
     add_into<T>(x, apply(l.o, o.view({T_, QW})));
+    clock.lap(kO);
     // ---- MLP block
     rms_norm_rows<T>(x.data_ptr<T>(), l.post_norm.data_ptr<T>(), hm.data_ptr<T>(), T_, H, eps);
+    clock.lap(kNorms);
     at::Tensor gu = apply(l.gate_up, hm);  // [T, 2 I]
+    clock.lap(kGateUp);
     const int64_t I = gu.size(1) / 2;
     at::Tensor act = at::empty({T_, I}, x.options());
     const T* g = gu.data_ptr<T>();
@@ -413,7 +508,9 @@ class FusedDecoder {
 #pragma omp simd
       for (int64_t i = 0; i < I; ++i)  // silu(gate), rounded to T as torch's op does, times up
         a[t * I + i] = static_cast<T>(silu(static_cast<float>(g[t * 2 * I + i]))) * g[t * 2 * I + I + i];
+    clock.lap(kAct);
     add_into<T>(x, apply(l.down, act));
+    clock.lap(kDown);
   }
 
   template <typename T>
@@ -436,6 +533,9 @@ class FusedDecoder {
   std::vector<at::Tensor> kv_caches_;  // per layer [2, num_blocks, block_size, NKV, D]
   std::vector<int64_t> aux_layers_;  // layer indices whose outputs forward() also returns (EAGLE)
   std::vector<Layer> layers_;
+  bool timing_ = false;  // set_phase_timing
+  std::array<double, kPhases> phase_ns_{};  // per phase, summed (PhaseClock)
+  int64_t timed_steps_ = 0;
   int64_t nh_, nkv_, d_;
   double eps_, scale_;
 };
@@ -454,6 +554,10 @@ void bind_fused_decoder(pybind11::module& m) {
            "stream_rows rows that linear takes fbgemm's int8 GEMM")
       .def("set_kv_scales", &FusedDecoder::set_kv_scales, "per layer [2, num_blocks, block_size, NKV] float32: "
            "the caches are int8 (--kv-cache-dtype int8)")
+      .def("set_phase_timing", &FusedDecoder::set_phase_timing, "on/off: time each phase of the steps (PhaseClock)")
+      .def("phase_times", &FusedDecoder::phase_times, "[(phase, seconds)] summed since the last call, + ('steps', n); "
+           "then starts again")
+      .def("phase_bytes", &FusedDecoder::phase_bytes, "[(linear phase, bytes of weights and scales it reads a step)]")
       .def("set_aux_layers", &FusedDecoder::set_aux_layers, "layer indices whose outputs the next steps return")
       .def("set_eagle_input", &FusedDecoder::set_eagle_input, "embed_norm, feature_norm, norm_before_residual: "
            "this decoder is an EAGLE head's one layer (head_step)")
