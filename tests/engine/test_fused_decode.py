@@ -177,7 +177,8 @@ def test_quantized_kernels_integer_path_is_the_block_quantized_product(dtype):
     2..16 in tiles of 2 weight rows x up to 4), with odd block counts (int4 takes blocks in pairs, or fours with
     AVX-512: 1056, 1088 and 1120 leave 1, 2 and 3 over), group counts that fill no whole vector of 8 or 16 (and,
     in AVX-512's single stream, whole chunks of 16 groups with a partial one after them, at every group size: 1536
-    and 2048 with g = 64, 128), and an odd row count (the tiles' last single row)."""
+    and 2048 with g = 64, 128; in AVX2's, 8 groups of 64 and a partial chunk: 1088 and 1536), and an odd row count
+    (the tiles' last single row)."""
     from leverlab.quant.int4 import dequantize_streaming, pack_int4_streaming, quantize_int4
 
     kern = cpu_kernels.kernels()

@@ -194,6 +194,46 @@ void rope_head<c10::BFloat16>(c10::BFloat16* x, const float* cos, const float* s
     bf16x16_store(x + half + i, new_hi);
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LEVERLAB_FUSED_BF16X8 1
+// The same in 8 lanes for AVX2 (no bf16 instructions): float32 -> bf16 rounds to nearest even in integer ops, as
+// c10's cast does (NaN to the quiet NaN). Scalar, the casts had cost a Zen 1 decode step 1.2 ms of rotary and 2.0
+// of SiLU (0.6B shape, 2 threads, 4% and 2% of an int4 step).
+inline __m256 bf16x8_load(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256i bf16x8_bits32(__m256 v) {  // bf16 bits in the low half of each 32-bit lane
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+inline __m256 bf16x8_round(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16x8_bits32(v), 16)); }
+inline void bf16x8_store(c10::BFloat16* p, __m256 v) {
+  const __m256i r = bf16x8_bits32(v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+template <>
+void rope_head<c10::BFloat16>(c10::BFloat16* x, const float* cos, const float* sin, int64_t D,
+                              c10::BFloat16* tmp) {
+  const int64_t half = D / 2;
+  if (half % 8) return rope_head_scalar(x, cos, sin, D, tmp);
+  for (int64_t i = 0; i < half; i += 8) {  // as the AVX-512 version above
+    const __m256 lo = bf16x8_load(x + i), hi = bf16x8_load(x + half + i);
+    const __m256 clo = bf16x8_round(_mm256_loadu_ps(cos + i)), chi = bf16x8_round(_mm256_loadu_ps(cos + half + i));
+    const __m256 slo = bf16x8_round(_mm256_loadu_ps(sin + i)), shi = bf16x8_round(_mm256_loadu_ps(sin + half + i));
+    const __m256 neg_hi = _mm256_sub_ps(_mm256_setzero_ps(), hi);
+    const __m256 new_lo =
+        _mm256_add_ps(bf16x8_round(_mm256_mul_ps(lo, clo)), bf16x8_round(_mm256_mul_ps(neg_hi, slo)));
+    const __m256 new_hi =
+        _mm256_add_ps(bf16x8_round(_mm256_mul_ps(hi, chi)), bf16x8_round(_mm256_mul_ps(lo, shi)));
+    bf16x8_store(x + i, new_lo);
+    bf16x8_store(x + half + i, new_hi);
+  }
+}
 #endif
 
 }  // namespace
@@ -504,10 +544,19 @@ class FusedDecoder {
     at::Tensor act = at::empty({T_, I}, x.options());
     const T* g = gu.data_ptr<T>();
     T* a = act.data_ptr<T>();
-    for (int64_t t = 0; t < T_; ++t)
+    for (int64_t t = 0; t < T_; ++t) {
+      int64_t i = 0;
+#if LEVERLAB_FUSED_BF16X8
+      if constexpr (std::is_same_v<T, c10::BFloat16>)
+        for (; i + 8 <= I; i += 8) {
+          const c10::BFloat16* gi = g + t * 2 * I + i;
+          bf16x8_store(a + t * I + i, _mm256_mul_ps(bf16x8_round(silu8(bf16x8_load(gi))), bf16x8_load(gi + I)));
+        }
+#endif
 #pragma omp simd
-      for (int64_t i = 0; i < I; ++i)  // silu(gate), rounded to T as torch's op does, times up
-        a[t * I + i] = static_cast<T>(silu(static_cast<float>(g[t * 2 * I + i]))) * g[t * 2 * I + I + i];
+      for (int64_t j = i; j < I; ++j)  // silu(gate), rounded to T as torch's op does, times up
+        a[t * I + j] = static_cast<T>(silu(static_cast<float>(g[t * 2 * I + j]))) * g[t * 2 * I + I + j];
+    }
     clock.lap(kAct);
     add_into<T>(x, apply(l.down, act));
     clock.lap(kDown);

@@ -71,6 +71,15 @@ inline float silu(float x) {
   return x * (x >= 0.f ? 1.f / (1.f + e) : e / (1.f + e));
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// silu, eight at a time (the same steps).
+inline __m256 silu8(__m256 x) {
+  const __m256 e = exp8_nonpositive(_mm256_min_ps(x, _mm256_sub_ps(_mm256_setzero_ps(), x)));
+  const __m256 num = _mm256_blendv_ps(_mm256_set1_ps(1.f), e, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+  return _mm256_mul_ps(x, _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+}
+#endif
+
 // The index of the first maximum of x[0, n) (torch.argmax's choice where x holds no NaN; NaNs are skipped, and
 // 0 is returned where nothing is above -inf). The head's logits are 150K wide for a Qwen3: the scalar loop took
 // ~1% of a 0.6B int4 decode step.
