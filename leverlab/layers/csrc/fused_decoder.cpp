@@ -198,7 +198,7 @@ void rope_head<c10::BFloat16>(c10::BFloat16* x, const float* cos, const float* s
 #define LEVERLAB_FUSED_BF16X8 1
 // The same in 8 lanes for AVX2 (no bf16 instructions): float32 -> bf16 rounds to nearest even in integer ops, as
 // c10's cast does (NaN to the quiet NaN). Scalar, the casts had cost a Zen 1 decode step 1.2 ms of rotary and 2.0
-// of SiLU (0.6B shape, 2 threads, 4% and 2% of an int4 step).
+// of SiLU (0.6B shape, 2 threads, 2% and 4% of an int4 step).
 inline __m256 bf16x8_load(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
