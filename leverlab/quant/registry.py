@@ -31,7 +31,7 @@ CHECKPOINT_ONLY = ("awq", "gptq")
 # --lm-head-quantization values. The tied head of a small model is a large share of a step's bytes (a fifth of the
 # bundled model, a quarter of Qwen3-0.6B), and llama.cpp's Q4_0 files keep it above 4 bits: Q6_K where rows are a
 # multiple of 256 long, else Q8_0. "auto": int8 for the int8 methods; int6 for the int4 methods where the int6
-# kernel streams (bf16/fp16 on a CPU with AVX-512 VNNI, a hidden size that is a multiple of 128: quant/int6.py),
+# kernel streams (bf16/fp16 on a CPU with AVX-512 VNNI or AVX2, a hidden size that is a multiple of 128: quant/int6.py),
 # else int8; the model dtype otherwise (fp8; AWQ/GPTQ checkpoints, whose own heads vLLM keeps as they are).
 # "none": the model dtype; "int8", "int6": that whatever the method; "same": the method's own kernel (int4+head).
 LM_HEAD_QUANTIZATION = ("auto", "none", "int8", "int6", "same")
@@ -77,7 +77,7 @@ def head_quant_method(method, choice: str = "auto", device=None, hidden: int | N
 def _fast_int6(device, hidden: int | None, dtype: str | None) -> bool:
     """Whether an int6 head would stream here at its speed (else auto keeps int8, whose kernels run anywhere):
     bf16/fp16 activations (float32 takes a plain loop, and has no int8 copy for batched rows) on a CPU with the
-    AVX-512 VNNI kernel, rows in whole 128-weight quads."""
+    AVX-512 VNNI or AVX2 kernel (has_int6_stream; the head's groups are 64), rows in whole 128-weight quads."""
     import torch
 
     if device is None or torch.device(device).type != "cpu" or hidden is None or hidden % 128:
@@ -87,7 +87,7 @@ def _fast_int6(device, hidden: int | None, dtype: str | None) -> bool:
     from leverlab.layers import cpu_kernels
 
     kern = cpu_kernels.kernels()
-    return kern is not None and kern.has_fast_int6()
+    return kern is not None and kern.has_int6_stream()
 
 
 def check_kv_cache_dtype(name: str) -> str:

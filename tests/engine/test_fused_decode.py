@@ -107,7 +107,7 @@ def test_int4_model_with_an_int6_head_decodes_through_the_fused_step(checkpoint_
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     # By default (auto) in bf16: int6 where its kernel streams, int8 elsewhere.
     head = load_model(path, "bfloat16", quantization="int4").lm_head
-    assert head.quant_method.name == ("int6" if cpu_kernels.kernels().has_fast_int6() else "int8")
+    assert head.quant_method.name == ("int6" if cpu_kernels.kernels().has_int6_stream() else "int8")
 
 
 def test_fused_path_declines_what_it_does_not_run(checkpoint_factory):
@@ -178,8 +178,10 @@ def test_quantized_kernels_integer_path_is_the_block_quantized_product(dtype):
     AVX-512: 1056, 1088 and 1120 leave 1, 2 and 3 over), group counts that fill no whole vector of 8 or 16 (and,
     in AVX-512's single stream, whole chunks of 16 groups with a partial one after them, at every group size: 1536
     and 2048 with g = 64, 128; in AVX2's, 8 groups of 64 and a partial chunk: 1088 and 1536), and an odd row count
-    (the tiles' last single row)."""
+    (the tiles' last single row). int6 with groups of 64 likewise where it streams (has_int6_stream): on AVX2 its
+    single stream takes four groups at a time and the rest one by one (384: 4 + 2 groups), row by row."""
     from leverlab.quant.int4 import dequantize_streaming, pack_int4_streaming, quantize_int4
+    from leverlab.quant.int6 import dequantize_int6_streaming, pack_int6_streaming, quantize_int6
 
     kern = cpu_kernels.kernels()
     torch.manual_seed(0)
@@ -199,6 +201,12 @@ def test_quantized_kernels_integer_path_is_the_block_quantized_product(dtype):
                 expected = (xq if g == 32 else quantize_blocks_q8(x, 64)) @ dequantize_streaming(packed, ss).t() + b
                 got = kern.int4_linear(x, packed, ss, g, b).float()
                 assert (got - expected).abs().max() <= 2 ** -7 * expected.abs().max(), (m, n, k, g)
+            if k % 128 == 0 and kern.has_int6_stream():  # int6 (groups of 64), in whole 128-weight quads
+                q, sc, z = quantize_int6(torch.randn(n, k), 64)
+                packed, ss = pack_int6_streaming(q, sc, z, 64)
+                expected = quantize_blocks_q8(x, 64) @ dequantize_int6_streaming(packed, ss).t() + b
+                got = kern.int6_linear(x, packed, ss, 64, b).float()
+                assert (got - expected).abs().max() <= 2 ** -7 * expected.abs().max(), (m, n, k, "int6")
 
 
 def test_int4_kernel_matches_dequantized_weight():

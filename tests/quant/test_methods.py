@@ -398,13 +398,13 @@ def test_int6_streaming_kernel_paths_agree(k, g):
 
 
 def test_int4_models_head_is_int6_where_it_streams_fast(monkeypatch):
-    """--lm-head-quantization auto: int6 for int4 in bf16/fp16 on a CPU whose int6 kernel streams (AVX-512 VNNI)
+    """--lm-head-quantization auto: int6 for int4 in bf16/fp16 on a CPU whose int6 kernel streams (AVX-512 VNNI, AVX2)
     and a hidden size in whole 128-weight quads, else int8; int8 for int8; an explicit int6 whatever the method."""
     from leverlab.layers import cpu_kernels
     from leverlab.quant.registry import head_quant_method
 
     kern = cpu_kernels.kernels()
-    fast = kern is not None and kern.has_fast_int6()
+    fast = kern is not None and kern.has_int6_stream()
     int4, int8 = get_quant_method("int4"), get_quant_method("int8")
     assert head_quant_method(int4, "auto", "cpu", 1024, "bfloat16").name == ("int6" if fast else "int8")
     assert head_quant_method(int4, "auto", "cpu", 384, "float16").name == ("int6" if fast else "int8")

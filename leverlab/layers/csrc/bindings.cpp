@@ -21,6 +21,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
                        const c10::optional<at::Tensor>& bias);
 bool has_fast_int6();
+bool has_int6_stream();
 void bind_fused_decoder(pybind11::module& m);
 
 namespace {
@@ -62,6 +63,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "high 2 bits; fp16 scales and zero points [N, 2, K/g]); streaming for 1..quant_max_rows() rows");
   m.def("has_fast_int6", &has_fast_int6, "whether int6_linear streams bf16/fp16 rows with integer dot products "
         "(AVX-512 VNNI); else it takes a plain float loop");
+  m.def("has_int6_stream", &has_int6_stream, "whether int6_linear streams one bf16/fp16 row with integer dot "
+        "products: AVX-512 VNNI (any group size), or AVX2 (groups of 64, the default)");
   m.def("quant_max_rows", &quant_max_rows, "the most activation rows the streaming int8/int4 kernels take");
   m.def("set_stream_prefetch",
         [](const std::string& kind, const std::string& family) {

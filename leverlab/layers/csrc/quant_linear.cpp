@@ -375,18 +375,42 @@ inline void u4_rows(const uint8_t* w, int64_t K, const at::Half* ss, const at::H
     _mm_storeu_ps(out, hsums(r, NR));
 }
 
+// int6 (quant/int6.py) on AVX2: pair H (0, 1) of a 96-byte quad, its 32 bytes of low nibbles unpacked as
+// load_u4_pair's, with the high 2 bits of each weight merged in at bits 4-5 from the quad's plane: pair 0's at
+// plane bits 0-1 (lo) and 4-5 (hi), pair 1's at 2-3 and 6-7. Shifts per 16-bit lane, masked to each byte's bits
+// 4-5, take them there (within a byte: what crosses from the neighbour is masked off).
+template <int H>
+inline void load_u6_pair(const uint8_t* quad, __m256i& lo, __m256i& hi) {
+  load_u4_pair(quad + 32 * H, lo, hi);
+  const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad + 64));
+  const __m256i bits45 = _mm256_set1_epi8(0x30);
+  const __m256i ul = H == 0 ? _mm256_slli_epi16(u, 4) : _mm256_slli_epi16(u, 2);
+  const __m256i uh = H == 0 ? u : _mm256_srli_epi16(u, 2);
+  lo = _mm256_or_si256(lo, _mm256_and_si256(ul, bits45));
+  hi = _mm256_or_si256(hi, _mm256_and_si256(uh, bits45));
+}
+
 // u4_rows<1> for groups of 64 with x quantized per 64 (quantize_q8's span 2; xsg: x's scale per group, G rounded
-// up to 8, zero past G): a pair of blocks is then exactly one group, and both its blocks take x's one scale, so
-// the pair's multiplier is one float, s_w s_x. The row's multipliers are made first, 8 groups at a time (one
-// conversion, one multiply), into `mult` (G rounded up to 8), and each pair broadcasts its own from there, where
-// u4_rows picks the weight scale out of a vector with a lane permute and multiplies in x's pair scales: 4 of a
-// pair's ~17 instructions. From memory, not from a register: with the multipliers held in a vector, GCC picked
-// each lane out with vpermilps + vperm2f128, which a Zen 1 runs as many micro-ops. There, where a core splits each
-// 256-bit op in two, the loop is bound by its instructions, not by memory: the 0.6B shape's int4 decode had read
-// 6.4 GB/s of the 17 a plain read gets. Session 32, that Zen 1, two threads: whole int4 decodes 1.24x u4_rows<1>
-// (paired median of 8, same tokens); 28 6144 x 1024 matrices 1.49x (10.7 against 7.2 GB/s).
-inline float u4_row_g64(const uint8_t* wr, const at::Half* sr, const at::Half* end, int64_t G, const QuantizedRows& x,
-                        const float* xsg, const float* gsum, float* mult) {
+// up to 8, zero past G), SIX: an int6 row (96 bytes per two pairs, load_u6_pair); PF the prefetch kind, read once
+// per call rather than per line. A pair of blocks is then exactly one group and takes one multiplier, s_w s_x. The
+// row's multipliers are made first, 8 groups at a time, into `mult` (G rounded up to 8), and read back from
+// memory: held in a vector, GCC had picked each lane out with vpermilps + vperm2f128, which a Zen 1 runs as many
+// micro-ops (there, where a core splits each 256-bit op in two, this loop is bound by its instructions, not by
+// memory). Pairs go four at a time: each pair's two vpmaddubsw sum in int16 (int4: <= 7620 a lane; int6:
+// <= 2 * 2 * 63 * 127 = 32004, still no saturation), and the four pairs' sums are reduced into one vector of
+// A B C D in each 128-bit lane (pair A's partial dot product in lane 0 of each half, ...), so that one conversion
+// and one FMA, against the four multipliers broadcast to both halves by one 128-bit load, finish the four. int4:
+// three vphaddw add adjacent int16 lanes (sums of 4 products pairs, then 8: <= 30480), A A B B C C D D in each
+// half, then one vpmaddwd; int6's pair sums leave no room to add in int16, so a vpmaddwd per pair, then three
+// vphaddd. Per four pairs that is three horizontal adds in place of three conversions, three broadcasts and three
+// FMAs (int4: and three vpmaddwd).
+// Measured on a Zen 1, two threads. Session 32, the multipliers made first and one pair at a time, against
+// u4_rows<1>: whole int4 decodes 1.24x (paired median of 8, same tokens). Session 33, four pairs at a time against
+// that: the 0.6B shape's int4 body read from memory (112 matrices, alternating in one process, paired median of
+// 12) 1.09x, whole int4 decodes 1.09x (paired median of 8).
+template <int PF, bool SIX>
+inline float u4_row_g64x4(const uint8_t* wr, const at::Half* sr, const at::Half* end, int64_t G,
+                          const QuantizedRows& x, const float* xsg, const float* gsum, float* mult) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), zacc = _mm256_setzero_ps();
   for (int64_t c = 0; c * 8 < G; ++c) {
     __m256 sv, zv;
@@ -394,22 +418,48 @@ inline float u4_row_g64(const uint8_t* wr, const at::Half* sr, const at::Half* e
     zacc = _mm256_fmadd_ps(_mm256_mul_ps(sv, zv), _mm256_loadu_ps(gsum + c * 8), zacc);
     _mm256_storeu_ps(mult + c * 8, _mm256_mul_ps(sv, _mm256_loadu_ps(xsg + c * 8)));
   }
-  // pair p (blocks 2p, 2p + 1) into acc
-  auto pair = [&](int64_t p, __m256& acc) {
-    const uint8_t* wp = wr + p * 32;
-    if ((p & 1) == 0) prefetch_stream<kStreamInt4>(wp);  // one 64-byte line per two pairs
+  const __m256i ones = _mm256_set1_epi16(1);
+  // pair p's int16 sums: 16 lanes, each of two products of each of its two halves. H = p % 2 (int6: which half
+  // of its quad), a template argument so that its shifts are constants.
+  auto pair16 = [&]<int H>(int64_t p) {
     __m256i wlo, whi;
-    load_u4_pair(wp, wlo, whi);
-    const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qp + p * 64));
-    const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qp + p * 64 + 32));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4_pair(wlo, whi, xlo, xhi)), _mm256_broadcast_ss(mult + p), acc);
+    if constexpr (SIX)
+      load_u6_pair<H>(wr + (p >> 1) * 96, wlo, whi);
+    else
+      load_u4_pair(wr + p * 32, wlo, whi);
+    const int8_t* xp = x.qp + p * 64;
+    return _mm256_add_epi16(_mm256_maddubs_epi16(wlo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp))),
+                            _mm256_maddubs_epi16(whi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32))));
+  };
+  auto four = [&](int64_t p, __m256& acc) {  // pairs p .. p + 3 (p % 4 == 0): 128 bytes, int6 192
+    const uint8_t* wp = wr + p * (SIX ? 48 : 32);
+    prefetch_as<PF>(wp);
+    prefetch_as<PF>(wp + 64);
+    if constexpr (SIX) prefetch_as<PF>(wp + 128);
+    const __m256i a = pair16.template operator()<0>(p), b = pair16.template operator()<1>(p + 1);
+    const __m256i c = pair16.template operator()<0>(p + 2), d = pair16.template operator()<1>(p + 3);
+    __m256i h;
+    if constexpr (SIX)
+      h = _mm256_hadd_epi32(_mm256_hadd_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(b, ones)),
+                            _mm256_hadd_epi32(_mm256_madd_epi16(c, ones), _mm256_madd_epi16(d, ones)));
+    else
+      h = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(a, b), _mm256_hadd_epi16(c, d)), ones);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_broadcast_ps(reinterpret_cast<const __m128*>(mult + p)), acc);
   };
   int64_t p = 0;
-  for (; p + 2 <= G; p += 2) {
-    pair(p, acc0);
-    pair(p + 1, acc1);
+  for (; p + 8 <= G; p += 8) {
+    four(p, acc0);
+    four(p + 4, acc1);
   }
-  if (p < G) pair(p, acc0);
+  if (p + 4 <= G) {
+    four(p, acc0);
+    p += 4;
+  }
+  for (; p < G; ++p) {  // G not a multiple of 4: the last pairs one at a time (a pair's 8 lanes sum its product)
+    prefetch_as<PF>(wr + p * (SIX ? 48 : 32));
+    const __m256i d = p & 1 ? pair16.template operator()<1>(p) : pair16.template operator()<0>(p);
+    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones)), _mm256_set1_ps(mult[p]), acc1);
+  }
   return hsum8(_mm256_sub_ps(_mm256_add_ps(acc0, acc1), zacc));
 }
 
@@ -1142,7 +1192,7 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
   if (wide) quad_row(xq);
   if (quads) quad_rows(xq, M);
 #endif
-  if (M == 1 && bpg == 2) {  // x's scale per group of 64, as u4_row_512 and u4_row_g64 read it (zero past G)
+  if (M == 1 && bpg == 2) {  // x's scale per group of 64, as u4_row_512 and u4_row_g64x4 read it (zero past G)
     float* sg = scratch(sgbuf, G16);
     for (int64_t j = 0; j < G16; ++j) sg[j] = j < G ? xq.scale[2 * j] : 0.f;
     xq.sg = sg;
@@ -1169,8 +1219,7 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
         return;
       }
 #endif
-      if constexpr (SIX) return;  // not reached: `wide` above
-      if (K <= kFourRowsMaxK) {  // short rows: four weight rows at a time
+      if (K <= kFourRowsMaxK && !SIX) {  // short rows: four weight rows at a time
         float out[4];
         for (; n + 4 <= n1; n += 4) {
           u4_rows<4>(w + n * (K / 2), K, ss + n * 2 * G, ss + N * 2 * G, G, gshift, xq, gsum, out);
@@ -1180,10 +1229,20 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
       if (gshift == 1) {  // groups of 64 (the default): a pair of blocks is a group
         static thread_local std::vector<float> mbuf;
         float* mult = scratch(mbuf, G16);
-        for (; n < n1; ++n)
-          emit(n, u4_row_g64(w + n * (K / 2), ss + n * 2 * G, ss + N * 2 * G, G, xq, xq.sg, gsum, mult));
+        auto rows = [&](auto pf) {
+          for (; n < n1; ++n)
+            emit(n, u4_row_g64x4<decltype(pf)::value, SIX>(w + n * rb, ss + n * 2 * G, ss + N * 2 * G, G, xq,
+                                                              xq.sg, gsum, mult));
+        };
+        switch (stream_prefetch_mode(SIX ? kStreamInt6 : kStreamInt4)) {
+          case kPrefetchNonTemporal: rows(std::integral_constant<int, kPrefetchNonTemporal>{}); break;
+          case kPrefetchAhead: rows(std::integral_constant<int, kPrefetchAhead>{}); break;
+          case kPrefetchL2: rows(std::integral_constant<int, kPrefetchL2>{}); break;
+          default: rows(std::integral_constant<int, kPrefetchOff>{}); break;
+        }
         return;
       }
+      if constexpr (SIX) return;  // not reached: int6_linear takes this path with groups of 64 only
       for (; n < n1; ++n) {
         float out;
         u4_rows<1>(w + n * (K / 2), K, ss + n * 2 * G, ss + N * 2 * G, G, gshift, xq, gsum, &out);
@@ -1749,9 +1808,18 @@ bool has_fast_int6() {
 #endif
 }
 
+bool has_int6_stream() {
+#if LEVERLAB_QUANT_AVX512 || LEVERLAB_QUANT_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
 // x [M, K], packed [N, 3K/4] uint8 (u6_at's layout), scales [N, 2, K / g] fp16 -> [M, N] in x's dtype. bf16/fp16
-// rows stream with integer dot products on AVX-512 VNNI where K % 128 == 0 (has_fast_int6), up to
-// quant_max_rows() of them; more take aten's matmul on the dequantized weight; the rest the plain path.
+// rows stream with integer dot products, up to quant_max_rows() of them: on AVX-512 VNNI (has_fast_int6), or on
+// AVX2 with groups of 64, one row at a time (has_int6_stream); more take aten's matmul on the dequantized weight;
+// the rest the plain path.
 // packed may also be panels [N / 16, K / g, 12 g + 64] (pack_int6_panels), streamed as int4's panels are.
 at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
                        const c10::optional<at::Tensor>& bias) {
@@ -1784,6 +1852,16 @@ at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       const int64_t bpg = group / 32;
       if ((bpg & (bpg - 1)) == 0) {
         int4_rows_q8<scalar_t, true>(x, w, ss, group, bp, y.data_ptr<scalar_t>(), N, K);
+        return;
+      }
+    }
+#elif LEVERLAB_QUANT_AVX2
+    // AVX2: the single stream with groups of 64 (u4_row_g64x4), row by row: more rows re-read the weight per row,
+    // and the loader's timing (quant/autotune.py) gives them fbgemm's GEMM over the int8 copy instead.
+    if constexpr (kHalfWidth<scalar_t>) {
+      if (group == 64) {
+        for (int64_t m = 0; m < M; ++m)
+          int4_rows_q8<scalar_t, true>(x.narrow(0, m, 1), w, ss, group, bp, y.data_ptr<scalar_t>() + m * N, N, K);
         return;
       }
     }
