@@ -12,9 +12,8 @@ AVX-512 VNNI loops with a load and four ops more per 128 weights (has_fast_int6;
 pack_int6_panels). On AVX2 without those, a single row with groups of 64 takes the int4 kernel's AVX2 single
 stream with the high bits merged in (has_int6_stream; several rows run it once per row, so the loader's timing
 gives them the int8 copy below). Elsewhere, and for float32 activations, a plain loop that is exact against the
-dequantized weight. More rows take fbgemm's int8 GEMM over
-an int8 copy, as int4 does (int8_gemm.py). No GPU kernel: on other devices the weight is held dequantized
-(unmeasured).
+dequantized weight. More rows take fbgemm's int8 GEMM over an int8 copy, as int4 does (int8_gemm.py). No GPU
+kernel: on other devices the weight is held dequantized (unmeasured).
 """
 
 from __future__ import annotations
