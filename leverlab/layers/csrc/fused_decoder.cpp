@@ -171,29 +171,15 @@ inline void bf16x16_store(c10::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16_bits(v));
 }
 
-// rope_head for bf16, 16 lanes at a time with the scalar path's roundings (each product, then the sum): a
-// decode step rotates (NH + NKV) heads in every layer while the other thread waits.
-template <>
-void rope_head<c10::BFloat16>(c10::BFloat16* x, const float* cos, const float* sin, int64_t D,
-                              c10::BFloat16* tmp) {
-  const int64_t half = D / 2;
-  if (half % 16) return rope_head_scalar(x, cos, sin, D, tmp);
-  for (int64_t i = 0; i < half; i += 16) {
-    const __m512 lo = bf16x16_load(x + i), hi = bf16x16_load(x + half + i);
-    const __m512 clo = bf16x16_round(_mm512_loadu_ps(cos + i));  // cos/sin cast to bf16, as the scalar path
-    const __m512 chi = bf16x16_round(_mm512_loadu_ps(cos + half + i));
-    const __m512 slo = bf16x16_round(_mm512_loadu_ps(sin + i));
-    const __m512 shi = bf16x16_round(_mm512_loadu_ps(sin + half + i));
-    // x[i] = x[i] cos[i] - x[i + half] sin[i]; x[i + half] = x[i + half] cos[i + half] + x[i] sin[i + half]
-    const __m512 neg_hi = _mm512_sub_ps(_mm512_setzero_ps(), hi);
-    const __m512 new_lo =
-        _mm512_add_ps(bf16x16_round(_mm512_mul_ps(lo, clo)), bf16x16_round(_mm512_mul_ps(neg_hi, slo)));
-    const __m512 new_hi =
-        _mm512_add_ps(bf16x16_round(_mm512_mul_ps(hi, chi)), bf16x16_round(_mm512_mul_ps(lo, shi)));
-    bf16x16_store(x + i, new_lo);
-    bf16x16_store(x + half + i, new_hi);
-  }
-}
+// A vector of bf16 values as float32 lanes, for the bf16 rope_head below: 16 lanes.
+struct Bf16Lanes {
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  static V load(const c10::BFloat16* p) { return bf16x16_load(p); }
+  static V loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static V round(V v) { return bf16x16_round(v); }
+  static void store(c10::BFloat16* p, V v) { bf16x16_store(p, v); }
+};
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LEVERLAB_FUSED_BF16X8 1
 // The same in 8 lanes for AVX2 (no bf16 instructions): float32 -> bf16 rounds to nearest even in integer ops, as
@@ -216,22 +202,37 @@ inline void bf16x8_store(c10::BFloat16* p, __m256 v) {
                    _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
 
+// ... and 8 lanes.
+struct Bf16Lanes {
+  using V = __m256;
+  static constexpr int kWidth = 8;
+  static V load(const c10::BFloat16* p) { return bf16x8_load(p); }
+  static V loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static V round(V v) { return bf16x8_round(v); }
+  static void store(c10::BFloat16* p, V v) { bf16x8_store(p, v); }
+};
+#endif
+
+#if defined(__AVX512BF16__) || defined(LEVERLAB_FUSED_BF16X8)
+// rope_head for bf16, a vector of lanes at a time with the scalar path's roundings (each product, then the sum): a
+// decode step rotates (NH + NKV) heads in every layer while the other thread waits. One definition for both
+// widths (Bf16Lanes), with GCC's vector operators: the same vmulps / vaddps / vsubps as the intrinsics.
 template <>
 void rope_head<c10::BFloat16>(c10::BFloat16* x, const float* cos, const float* sin, int64_t D,
                               c10::BFloat16* tmp) {
+  using L = Bf16Lanes;
+  using V = L::V;
   const int64_t half = D / 2;
-  if (half % 8) return rope_head_scalar(x, cos, sin, D, tmp);
-  for (int64_t i = 0; i < half; i += 8) {  // as the AVX-512 version above
-    const __m256 lo = bf16x8_load(x + i), hi = bf16x8_load(x + half + i);
-    const __m256 clo = bf16x8_round(_mm256_loadu_ps(cos + i)), chi = bf16x8_round(_mm256_loadu_ps(cos + half + i));
-    const __m256 slo = bf16x8_round(_mm256_loadu_ps(sin + i)), shi = bf16x8_round(_mm256_loadu_ps(sin + half + i));
-    const __m256 neg_hi = _mm256_sub_ps(_mm256_setzero_ps(), hi);
-    const __m256 new_lo =
-        _mm256_add_ps(bf16x8_round(_mm256_mul_ps(lo, clo)), bf16x8_round(_mm256_mul_ps(neg_hi, slo)));
-    const __m256 new_hi =
-        _mm256_add_ps(bf16x8_round(_mm256_mul_ps(hi, chi)), bf16x8_round(_mm256_mul_ps(lo, shi)));
-    bf16x8_store(x + i, new_lo);
-    bf16x8_store(x + half + i, new_hi);
+  if (half % L::kWidth) return rope_head_scalar(x, cos, sin, D, tmp);
+  for (int64_t i = 0; i < half; i += L::kWidth) {
+    const V lo = L::load(x + i), hi = L::load(x + half + i);
+    // cos/sin cast to bf16, as the scalar path does
+    const V clo = L::round(L::loadf(cos + i)), chi = L::round(L::loadf(cos + half + i));
+    const V slo = L::round(L::loadf(sin + i)), shi = L::round(L::loadf(sin + half + i));
+    // x[i] = x[i] cos[i] - x[i + half] sin[i]; x[i + half] = x[i + half] cos[i + half] + x[i] sin[i + half]
+    const V neg_hi = V{} - hi;
+    L::store(x + i, L::round(lo * clo) + L::round(neg_hi * slo));
+    L::store(x + half + i, L::round(hi * chi) + L::round(lo * shi));
   }
 }
 #endif
