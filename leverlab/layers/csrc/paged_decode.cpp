@@ -396,19 +396,113 @@ void item_bf16(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, uint1
 
 #if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
 #define LEVERLAB_ATTN_AVX2 1
-// The same for CPUs with AVX2 + FMA but no AVX-512 BF16 (Zen 2/3, Haswell..Skylake client). A 16-element bf16
+// The same for CPUs with AVX2 + FMA but no AVX-512 BF16 (Zen 1-3, Haswell..Skylake client). A 16-element bf16
 // chunk widens in registers with no shuffles: a 32-bit lane's even element is the lane shifted left by 16, its odd
 // element the lane with the low half masked off (as skinny_linear.cpp does). So q is kept as floats split into
 // even and odd halves per chunk, the value accumulators are split the same way, and the output is put back in
-// order at the end. About 5x the generic loops on a Zen 3 (decode at 1,500 tokens of context).
+// order at the end.
+// Both passes keep their accumulators in registers (16 ymm registers in all), so that their loop bodies are loads,
+// widening and FMAs only:
+//  - scores: NP positions for NR rows at a time (NR * NP = 8 accumulators; NR = 2 for a GQA group of 2, the
+//    common decode), each K chunk widened once for the NR rows, and the NP dot products of a row reduced together
+//    by one horizontal-add tree (one hsum per score had been about as many ops as its FMAs);
+//  - values: 32 elements of the output for NR rows at a time (8 accumulators), over a tile of kVTile positions,
+//    then the next 32 elements over the same tile, whose V rows are still in L1; the accumulators go to memory
+//    once per tile and 32 elements. (Accumulated in memory per position, a load, an FMA and a store per 8 elements,
+//    this pass was bound by its stores: a Zen 1 stores one 128-bit half a cycle.)
+// A position a row does not see (a speculative span's later positions, a window) has its score computed and
+// never read, and its probability zeroed after the softmax, so that the value pass runs every row over the same
+// positions: adding 0 * v leaves a sum unchanged.
+// Measured on a Zen 1, the 0.6B shape's heads (8 KV heads, GQA 2, D = 128), 28 layers, one sequence: see
+// docs/quantization.md (session 34).
+constexpr int64_t kVTile = 32;
+
+// Row r0's (and, NR = 2, row r0 + 1's) scores for the NP positions whose K rows are krow[0 .. NP): q rows qf0,
+// qf1 in the split order above, into s0, s1 (NP floats each).
+template <int C, int NR, int NP>
+inline void scores_block(const uint16_t* const* krow, const float* qf0, const float* qf1, float* s0, float* s1) {
+  static_assert(NR * NP == 8, "eight accumulators");
+  __m256 a[NR][NP];
+#pragma GCC unroll 8
+  for (int j = 0; j < NR; ++j)
+#pragma GCC unroll 8
+    for (int i = 0; i < NP; ++i) a[j][i] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c) {
+    const __m256 qe0 = _mm256_loadu_ps(qf0 + 16 * c), qo0 = _mm256_loadu_ps(qf0 + 16 * c + 8);
+    const __m256 qe1 = NR == 2 ? _mm256_loadu_ps(qf1 + 16 * c) : qe0;
+    const __m256 qo1 = NR == 2 ? _mm256_loadu_ps(qf1 + 16 * c + 8) : qo0;
+#pragma GCC unroll 8
+    for (int i = 0; i < NP; ++i) {
+      __m256 ke, ko;
+      widen_bf16x16(krow[i] + 16 * c, ke, ko);
+      a[0][i] = _mm256_fmadd_ps(ko, qo0, _mm256_fmadd_ps(ke, qe0, a[0][i]));
+      if constexpr (NR == 2) a[1][i] = _mm256_fmadd_ps(ko, qo1, _mm256_fmadd_ps(ke, qe1, a[1][i]));
+    }
+  }
+  // Four accumulators -> their four sums: two levels of vhaddps leave, in each 128-bit half, accumulator i's
+  // partial sum in lane i; the halves then add.
+  auto four = [](const __m256* v) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  };
+#pragma GCC unroll 8
+  for (int j = 0; j < NR; ++j) {
+    float* s = j ? s1 : s0;
+#pragma GCC unroll 2
+    for (int i = 0; i < NP; i += 4) _mm_storeu_ps(s + i, four(a[j] + i));
+  }
+}
+
+// Rows r0 (and r0 + 1) of P V over positions [p0, p1) of the item, output elements [32 d, 32 d + 32) in the split
+// order, accumulated into acc0 (acc1) at that offset: probabilities pr0, pr1 indexed by position - first. Rows of
+// positions up to fetch_end are requested into L1 kAhead positions early (the first pass over a tile does it; the
+// scores pass brought them into L2).
+template <int D, int NR>
+inline void values_block(const uint16_t* vp, const int64_t* offs, const float* pr0, const float* pr1, int64_t p0,
+                         int64_t p1, int d, float* acc0, float* acc1, int64_t fetch_end) {
+  __m256 a[NR][4];
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    a[0][k] = _mm256_loadu_ps(acc0 + 32 * d + 8 * k);
+    if constexpr (NR == 2) a[1][k] = _mm256_loadu_ps(acc1 + 32 * d + 8 * k);
+  }
+  for (int64_t i = p0; i < p1; ++i) {
+    if (i + kAhead < fetch_end) prefetch_row_l1(vp + offs[i + kAhead], 2 * D);
+    const uint16_t* v = vp + offs[i] + 32 * d;
+    __m256 ve0, vo0, ve1, vo1;
+    widen_bf16x16(v, ve0, vo0);
+    widen_bf16x16(v + 16, ve1, vo1);
+    const __m256 w0 = _mm256_broadcast_ss(pr0 + i);
+    a[0][0] = _mm256_fmadd_ps(w0, ve0, a[0][0]);
+    a[0][1] = _mm256_fmadd_ps(w0, vo0, a[0][1]);
+    a[0][2] = _mm256_fmadd_ps(w0, ve1, a[0][2]);
+    a[0][3] = _mm256_fmadd_ps(w0, vo1, a[0][3]);
+    if constexpr (NR == 2) {
+      const __m256 w1 = _mm256_broadcast_ss(pr1 + i);
+      a[1][0] = _mm256_fmadd_ps(w1, ve0, a[1][0]);
+      a[1][1] = _mm256_fmadd_ps(w1, vo0, a[1][1]);
+      a[1][2] = _mm256_fmadd_ps(w1, ve1, a[1][2]);
+      a[1][3] = _mm256_fmadd_ps(w1, vo1, a[1][3]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    _mm256_storeu_ps(acc0 + 32 * d + 8 * k, a[0][k]);
+    if constexpr (NR == 2) _mm256_storeu_ps(acc1 + 32 * d + 8 * k, a[1][k]);
+  }
+}
+
 template <int D>
 void item_bf16(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, uint16_t* op, const Layout& lay,
                const Item& it, Buffers& buf) {
+  static_assert(D % 32 == 0, "the value pass takes 32 elements at a time");
   constexpr int C = D / 16;  // 16-element chunks of a row
   const int64_t G = lay.G, R = it.nq * G, L = it.ctx - it.first;
   buf.qf.resize(R * D);  // per row and chunk: the 8 even elements, then the 8 odd ones
   buf.acc.assign(R * D, 0.f);  // the same order
-  buf.probs.resize(R * L);
+  const int64_t Lp = (L + 7) / 8 * 8;  // probs' row stride: a last block of scores stores up to 7 past the row
+  buf.probs.resize(R * Lp);
   buf.inv.resize(R);
   for (int64_t r = 0; r < R; ++r) {
     const uint16_t* q = qp + ((it.row0 + r / G) * lay.H + it.h * G + r % G) * D;
@@ -419,46 +513,48 @@ void item_bf16(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, uint1
         qf[16 * c + 8 + j] = c10::BFloat16(q[16 * c + 2 * j + 1], c10::BFloat16::from_bits()) * lay.scale;
       }
   }
-  for (int64_t pos = it.first; pos < it.ctx; ++pos) {
-    if (pos + kAhead < it.ctx) {
-      prefetch_row(kp + buf.offs[pos + kAhead - it.first], D * 2);
-      prefetch_row(vp + buf.offs[pos + kAhead - it.first], D * 2);
-    }
-    const uint16_t* k = kp + buf.offs[pos - it.first];
-    __m256 ke[C], ko[C];
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) widen_bf16x16(k + 16 * c, ke[c], ko[c]);
-    const auto [r0, r1] = seeing(it, pos, G, lay.window);
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* qf = buf.qf.data() + r * D;
-      __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-#pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) {
-        s0 = _mm256_fmadd_ps(ke[c], _mm256_loadu_ps(qf + 16 * c), s0);
-        s1 = _mm256_fmadd_ps(ko[c], _mm256_loadu_ps(qf + 16 * c + 8), s1);
+  const int64_t* offs = buf.offs.data();  // position first + i's row at offs[i]
+  float* probs = buf.probs.data();
+  // Scores: rows in pairs (4 positions a step), a last odd row alone (8 positions a step). A short last block
+  // repeats its last position; its extra scores land in the row's padding and are never read.
+  auto scores = [&]<int NR, int NP>(int64_t r) {
+    for (int64_t i0 = 0; i0 < L; i0 += NP) {
+      const uint16_t* krow[NP];
+#pragma GCC unroll 8
+      for (int i = 0; i < NP; ++i) {
+        const int64_t j = std::min<int64_t>(i0 + i, L - 1);
+        krow[i] = kp + offs[j];
+        if (r == 0 && i0 + i + kAhead < L) {  // the first rows' pass requests K and V rows into L2
+          prefetch_row(kp + offs[i0 + i + kAhead], D * 2);
+          prefetch_row(vp + offs[i0 + i + kAhead], D * 2);
+        }
       }
-      buf.probs[r * L + pos - it.first] = hsum8(_mm256_add_ps(s0, s1));
+      const float* q0 = buf.qf.data() + r * D;
+      scores_block<C, NR, NP>(krow, q0, q0 + D, probs + r * Lp + i0, probs + (r + 1) * Lp + i0);
     }
+  };
+  int64_t r = 0;
+  for (; r + 2 <= R; r += 2) scores.template operator()<2, 4>(r);
+  if (r < R) scores.template operator()<1, 8>(r);
+  softmax_rows(probs, buf.inv.data(), it, R, G, Lp, lay.window);
+  for (int64_t rr = 0; rr < R; ++rr) {  // what a row does not see weighs 0 in the value pass
+    const auto [lo, e] = visible_positions(it, rr, G, lay.window);
+    std::fill(probs + rr * Lp, probs + rr * Lp + (lo - it.first), 0.f);
+    std::fill(probs + rr * Lp + (e - it.first), probs + rr * Lp + L, 0.f);
   }
-  softmax_rows(buf.probs.data(), buf.inv.data(), it, R, G, L, lay.window);
-  for (int64_t pos = it.first; pos < it.ctx; ++pos) {
-    if (pos + kAhead < it.ctx) prefetch_row_l1(vp + buf.offs[pos + kAhead - it.first], D * 2);
-    const uint16_t* v = vp + buf.offs[pos - it.first];
-    __m256 ve[C], vo[C];
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) widen_bf16x16(v + 16 * c, ve[c], vo[c]);
-    const auto [r0, r1] = seeing(it, pos, G, lay.window);
-    for (int64_t r = r0; r < r1; ++r) {
-      const __m256 p = _mm256_set1_ps(buf.probs[r * L + pos - it.first]);
-      float* a = buf.acc.data() + r * D;
-#pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) {
-        _mm256_storeu_ps(a + 16 * c, _mm256_fmadd_ps(p, ve[c], _mm256_loadu_ps(a + 16 * c)));
-        _mm256_storeu_ps(a + 16 * c + 8, _mm256_fmadd_ps(p, vo[c], _mm256_loadu_ps(a + 16 * c + 8)));
-      }
-    }
+  // Values: tile by tile, 32 output elements at a time.
+  for (int64_t p0 = 0; p0 < L; p0 += kVTile) {
+    const int64_t p1 = std::min(L, p0 + kVTile);
+    for (r = 0; r + 2 <= R; r += 2)
+      for (int d = 0; d < D / 32; ++d)
+        values_block<D, 2>(vp, offs, probs + r * Lp, probs + (r + 1) * Lp, p0, p1, d, buf.acc.data() + r * D,
+                        buf.acc.data() + (r + 1) * D, r == 0 && d == 0 ? L : 0);
+    if (r < R)
+      for (int d = 0; d < D / 32; ++d)
+        values_block<D, 1>(vp, offs, probs + r * Lp, nullptr, p0, p1, d, buf.acc.data() + r * D, nullptr,
+                        r == 0 && d == 0 ? L : 0);
   }
-  for (int64_t r = 0; r < R; ++r) {
+  for (r = 0; r < R; ++r) {
     uint16_t* orow = op + ((it.row0 + r / G) * lay.H + it.h * G + r % G) * D;
     const float* a = buf.acc.data() + r * D;
     for (int c = 0; c < C; ++c)
