@@ -833,6 +833,61 @@ inline void u4_tile(const uint8_t* w, int64_t K, const float* s, int64_t ss, int
   reduce_tile<NW, MG>(acc, out);
 }
 
+// u4_tile for groups of 64 (x quantized per 64: a pair of blocks is one group, one multiplier s_w s_x per
+// activation row), one weight row against activation rows r0 .. r0 + MG: the single stream's four-pair reduction
+// (u4_row_g64x4) per activation row, the weight's unpack shared. Per four pairs and activation row that is eight
+// vpmaddubsw, four adds, three vphaddw, one vpmaddwd, one conversion and one FMA, where u4_tile pays per pair a
+// vpmaddwd, a conversion, a multiply and an FMA. The pairs go two at a time (four registers of unpacked weights),
+// their two sums reduced by the first vphaddw at once, so that the MG rows' partial sums and accumulators fit the
+// sixteen registers. mult: the MG rows' multipliers, row m's G at mult + m ld (zero past G up to a multiple of 4),
+// made by the caller.
+template <int MG>
+inline void u4_tile_g64(const uint8_t* w, int64_t G, const QuantizedRows& x, int64_t r0, const float* mult,
+                        int64_t ld, __m128* out) {
+  __m256 acc[1][MG];
+  zero_tile(acc);
+  const TileRows<MG> rows(x, r0);
+  const auto& xq = rows.qp;  // pair order
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto pair16 = [&](const __m256i& wlo, const __m256i& whi, int m, int64_t p) {
+    const int8_t* xp = xq[m] + p * 64;
+    return _mm256_add_epi16(_mm256_maddubs_epi16(wlo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp))),
+                            _mm256_maddubs_epi16(whi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32))));
+  };
+  int64_t p = 0;
+  for (; p + 4 <= G; p += 4) {
+    prefetch_stream<kStreamInt4>(w + p * 32);
+    prefetch_stream<kStreamInt4>(w + p * 32 + 64);
+    __m256i ab[MG];
+    {
+      __m256i alo, ahi, blo, bhi;
+      load_u4_pair(w + p * 32, alo, ahi);
+      load_u4_pair(w + p * 32 + 32, blo, bhi);
+#pragma GCC unroll 4
+      for (int m = 0; m < MG; ++m) ab[m] = _mm256_hadd_epi16(pair16(alo, ahi, m, p), pair16(blo, bhi, m, p + 1));
+    }
+    __m256i clo, chi, dlo, dhi;
+    load_u4_pair(w + p * 32 + 64, clo, chi);
+    load_u4_pair(w + p * 32 + 96, dlo, dhi);
+#pragma GCC unroll 4
+    for (int m = 0; m < MG; ++m) {
+      const __m256i cd = _mm256_hadd_epi16(pair16(clo, chi, m, p + 2), pair16(dlo, dhi, m, p + 3));
+      const __m256i h = _mm256_madd_epi16(_mm256_hadd_epi16(ab[m], cd), ones);
+      acc[0][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h),
+                                  _mm256_broadcast_ps(reinterpret_cast<const __m128*>(mult + m * ld + p)), acc[0][m]);
+    }
+  }
+  for (; p < G; ++p) {  // G not a multiple of 4: the last pairs one at a time
+    __m256i wlo, whi;
+    load_u4_pair(w + p * 32, wlo, whi);
+#pragma GCC unroll 4
+    for (int m = 0; m < MG; ++m)
+      acc[0][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pair16(wlo, whi, m, p), ones)),
+                                  _mm256_set1_ps(mult[m * ld + p]), acc[0][m]);
+  }
+  reduce_tile<1, MG>(acc, out);
+}
+
 #if LEVERLAB_QUANT_AVX512
 // x's M rows in quad order (quad_row's layout, B % 4 == 0): row m's quads at q4 + m K, its block scales at
 // sp + m 4B (block b's in lanes 4b .. 4b + 3).
@@ -1165,7 +1220,7 @@ void int4_rows_f32(const at::Tensor& x, const uint8_t* w, const at::Half* ss, in
 template <typename T, bool SIX = false>
 void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int64_t g, const float* bias, T* y,
                   int64_t N, int64_t K) {
-  static thread_local std::vector<float> gbuf, sgbuf;
+  static thread_local std::vector<float> gbuf, sgbuf, xsbuf;  // xsbuf: AVX2's several rows, groups of 64
   const int64_t M = x.size(0), G = K / g, bpg = g / 32;
   // Groups of 64 or more: x quantized per 64 (one rounding of at most half a step of max|x| / 127 over 64
   // elements instead of 32), so that with groups of 64 the AVX-512 single stream multiplies its scales per group
@@ -1198,6 +1253,15 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
     xq.sg = sg;
   }
   if (!wide && !quads) pair_rows(xq, M);
+#if !LEVERLAB_QUANT_AVX512
+  float* xs64 = nullptr;  // several rows, groups of 64: x's scale per group, [M][G rounded up to 8], zero past G
+  if (M > 1 && bpg == 2 && !SIX) {
+    const int64_t G8 = (G + 7) / 8 * 8;
+    xs64 = scratch(xsbuf, M * G8);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < G8; ++j) xs64[m * G8 + j] = j < G ? xq.scale[m * xq.B + 2 * j] : 0.f;
+  }
+#endif
   parallel_rows(N, [&](int64_t n0, int64_t n1) {
     if (M == 1) {
       auto emit = [&](int64_t n, float v) { y[n] = static_cast<T>(v + (bias ? bias[n] : 0.f)); };
@@ -1254,6 +1318,41 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
     // a tile's (up to) 2 weight rows' scales and scaled zeros, widened; then (quads) their scales per block
     float* sf = scratch(fbuf, 2 * 2 * G + 2 * xq.B);
     float* wsb = sf + 2 * 2 * G;
+    // the zero points' term, s z sum(x) per group, for weight row i's 4 rows at m0 at once
+    auto emit = [&](int64_t n, int i, int64_t m0, int mg, __m128 v) {
+      __m128 zterm = _mm_setzero_ps();
+      const float* sz = sf + i * 2 * G + G;
+      for (int64_t j = 0; j < G; ++j) zterm = _mm_fmadd_ps(_mm_set1_ps(sz[j]), _mm_loadu_ps(gsum_t + j * M4 + m0), zterm);
+      store_lanes<T>(_mm_add_ps(_mm_sub_ps(v, zterm), _mm_set1_ps(bias ? bias[n + i] : 0.f)), mg, y + m0 * N + n + i, N);
+    };
+#if !LEVERLAB_QUANT_AVX512  // (AVX-512 machines keep u4_tile for 2-3 rows: this was measured on AVX2 only)
+    if constexpr (!SIX) {
+      if (gshift == 1) {  // groups of 64 on AVX2: one weight row at a time (u4_tile_g64)
+        static thread_local std::vector<float> mbuf;
+        const int64_t G8 = (G + 7) / 8 * 8;
+        float* mult = scratch(mbuf, 4 * G8);  // [4][G8]: a tile's rows' multipliers s_w s_x
+        for (int64_t n = n0; n < n1; ++n) {
+          widen_scales(ss + n * 2 * G, 1, G, sf);
+          tile_rows<1>(
+              M,
+              [&](auto mg, int64_t m0, __m128* out) {
+                constexpr int MG = decltype(mg)::value;
+                for (int m = 0; m < MG; ++m) {
+                  const float* xsg = xs64 + (m0 + m) * G8;
+                  float* mm = mult + m * G8;
+                  int64_t j = 0;
+                  for (; j + 8 <= G; j += 8)
+                    _mm256_storeu_ps(mm + j, _mm256_mul_ps(_mm256_loadu_ps(sf + j), _mm256_loadu_ps(xsg + j)));
+                  for (; j < G8; ++j) mm[j] = j < G ? sf[j] * xsg[j] : 0.f;
+                }
+                u4_tile_g64<MG>(w + n * rb, G, xq, m0, mult, G8, out);
+              },
+              [&](int i, int64_t m0, int mg, __m128 v) { emit(n, i, m0, mg, v); });
+        }
+        return;
+      }
+    }
+#endif
     weight_tiles(n0, n1, [&](auto nw, int64_t n) {
       constexpr int NW = decltype(nw)::value;
       widen_scales(ss + n * 2 * G, NW, G, sf);
@@ -1269,13 +1368,7 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
             if constexpr (SIX) return;  // not reached: `quads` above
             u4_tile<NW, decltype(mg)::value>(w + n * (K / 2), K, sf, 2 * G, gshift, xq, m0, out);
           },
-          [&](int i, int64_t m0, int mg, __m128 v) {
-            __m128 zterm = _mm_setzero_ps();  // the zero points' term, s z sum(x) per group, for the 4 rows at once
-            const float* sz = sf + i * 2 * G + G;
-            for (int64_t j = 0; j < G; ++j) zterm = _mm_fmadd_ps(_mm_set1_ps(sz[j]), _mm_loadu_ps(gsum_t + j * M4 + m0), zterm);
-            store_lanes<T>(_mm_add_ps(_mm_sub_ps(v, zterm), _mm_set1_ps(bias ? bias[n + i] : 0.f)), mg,
-                           y + m0 * N + n + i, N);
-          });
+          [&](int i, int64_t m0, int mg, __m128 v) { emit(n, i, m0, mg, v); });
     });
   });
 }
