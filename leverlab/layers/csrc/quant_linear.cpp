@@ -173,9 +173,19 @@ inline void load_x_pair(const int8_t* p, __m256i& lo, __m256i& hi) {
   hi = _mm256_permute2x128_si256(a, b, 0x31);
 }
 
+// A pair's products summed in int16 (16 lanes of four products each), before any widening.
+inline __m256i sums_u4_pair(__m256i wlo, __m256i whi, __m256i xlo, __m256i xhi) {
+  return _mm256_add_epi16(_mm256_maddubs_epi16(wlo, xlo), _mm256_maddubs_epi16(whi, xhi));
+}
+
+// The same for x's pair at xp (64 int8 values in pair order), loaded here.
+inline __m256i sums_u4_pair(__m256i wlo, __m256i whi, const int8_t* xp) {
+  return sums_u4_pair(wlo, whi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)),
+                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32)));
+}
+
 inline __m256i dot_u4_pair(__m256i wlo, __m256i whi, __m256i xlo, __m256i xhi) {
-  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(wlo, xlo), _mm256_maddubs_epi16(whi, xhi)),
-                           _mm256_set1_epi16(1));
+  return _mm256_madd_epi16(sums_u4_pair(wlo, whi, xlo, xhi), _mm256_set1_epi16(1));
 }
 
 inline __m256 pair_scale(float s0, float s1) {  // s0 in lanes 0..3 (block b), s1 in lanes 4..7 (block b + 1)
@@ -427,9 +437,7 @@ inline float u4_row_g64x4(const uint8_t* wr, const at::Half* sr, const at::Half*
       load_u6_pair<H>(wr + (p >> 1) * 96, wlo, whi);
     else
       load_u4_pair(wr + p * 32, wlo, whi);
-    const int8_t* xp = x.qp + p * 64;
-    return _mm256_add_epi16(_mm256_maddubs_epi16(wlo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp))),
-                            _mm256_maddubs_epi16(whi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32))));
+    return sums_u4_pair(wlo, whi, x.qp + p * 64);
   };
   auto four = [&](int64_t p, __m256& acc) {  // pairs p .. p + 3 (p % 4 == 0): 128 bytes, int6 192
     const uint8_t* wp = wr + p * (SIX ? 48 : 32);
@@ -850,9 +858,7 @@ inline void u4_tile_g64(const uint8_t* w, int64_t G, const QuantizedRows& x, int
   const auto& xq = rows.qp;  // pair order
   const __m256i ones = _mm256_set1_epi16(1);
   auto pair16 = [&](const __m256i& wlo, const __m256i& whi, int m, int64_t p) {
-    const int8_t* xp = xq[m] + p * 64;
-    return _mm256_add_epi16(_mm256_maddubs_epi16(wlo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp))),
-                            _mm256_maddubs_epi16(whi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32))));
+    return sums_u4_pair(wlo, whi, xq[m] + p * 64);
   };
   int64_t p = 0;
   for (; p + 4 <= G; p += 4) {
