@@ -195,7 +195,7 @@ inline std::pair<int64_t, int64_t> seeing(const Item& it, int64_t pos, int64_t G
 
 struct Buffers {
   std::vector<float> qf, acc, probs, inv, row, part;
-  std::vector<float> qs, ws, vsf;  // item_q8_vnni: query scales, per-group weight scales, V scales
+  std::vector<float> qs, ws, ksf, vsf;  // integer int8 paths: query scales, per-group weight scales, K/V scales
   std::vector<int16_t> q16, w16;
   std::vector<int64_t> offs;  // row_offsets()
 };
@@ -227,6 +227,25 @@ inline void scaled_queries(const T* qp, const Layout& lay, const Item& it, int64
   for (int64_t r = 0; r < R; ++r) {
     const T* q = qp + ((it.row0 + r / G) * lay.H + it.h * G + r % G) * D;
     for (int64_t d = 0; d < D; ++d) buf.qf[r * D + d] = static_cast<float>(q[d]) * lay.scale;
+  }
+}
+
+// The item's R query rows as int16 for the integer int8-cache paths (item_q8_vnni, item_q8_i16): each row at its
+// own scale max|q| / 32767 (a relative step of 2^-15, where bfloat16 itself keeps 2^-8), into buf.q16 [R, D];
+// buf.qs[r] is that scale times the softmax scale.
+template <typename T>
+inline void queries_i16(const T* qp, const Layout& lay, const Item& it, int64_t R, Buffers& buf) {
+  const int64_t D = lay.D, G = lay.G;
+  buf.q16.resize(R * D);
+  buf.qs.resize(R);
+  for (int64_t r = 0; r < R; ++r) {
+    const T* q = qp + ((it.row0 + r / G) * lay.H + it.h * G + r % G) * D;
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(q[d])));
+    const float s = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / s;
+    for (int64_t d = 0; d < D; ++d)
+      buf.q16[r * D + d] = static_cast<int16_t>(std::nearbyint(static_cast<float>(q[d]) * inv));
+    buf.qs[r] = s * lay.scale;
   }
 }
 
@@ -630,6 +649,224 @@ void item_q8(const T* qp, const int8_t* kp, const int8_t* vp, const float* ksc, 
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define LEVERLAB_ATTN_Q8_I16 1
+// The int8 cache with 16-bit activations on AVX2 machines (Zen 1-3, Haswell..Skylake client): item_q8_vnni's
+// integer arithmetic in 256-bit vectors, where vpmaddwd (16 int16 products summed pairwise into 8 int32 lanes)
+// stands in for vpdpwssd. item_q8 above widens every int8 element to float32 (three instructions per 8) and
+// accumulates its values in memory; here, as in item_bf16's AVX2 form, the accumulators stay in registers:
+//   scores: queries as int16 (queries_i16); NP positions x NR rows of int32 sums in registers (NR = 3 for a GQA
+//           group of 3, else 2, a last odd row alone), each K chunk of 16 elements sign-extended once for the NR
+//           rows; the NP sums of a row reduced together by one horizontal-add tree, then times the positions' K
+//           scales and the row's query scale. The first rows' pass also gathers the K/V scales, requested with
+//           the rows (gathered in a loop of their own first, they waited a memory latency per block: 12% of the
+//           kernel's time over scattered blocks).
+//   values: per row and group of kGroupI16 positions, the weights p_t * vscale_t as int16 at the group's own
+//           scale (max / 32767, as item_q8_vnni), two positions' V rows interleaved as int16 pairs so one vpmaddwd
+//           adds both positions' products; 32 output elements x NR rows in registers over the group, whose V rows
+//           stay in L1 for the next 32 elements; each group's int32 sums are scaled into float32 ones.
+// On a Zen 1 (256-bit ops in two halves) vpmaddwd's 16 products take the one multiply pipe what two FMAs' take two,
+// so the gain over the bf16 cache is the bytes and the fewer widening ops: attention alone, see docs/quantization.md
+// (session 35).
+// Bounds: a score lane sums at most D / 8 pair products of 32767 * 127 * 2 (and the tree D of them: under 2^31 for
+// D <= 256); a value lane at most 32 positions' products (32 * 32767 * 127 < 2^28).
+// Float32 activations keep item_q8, where the tests hold the int8 cache to 1e-5 of the gather path.
+constexpr int64_t kGroupI16 = 32;
+
+// Rows r .. r + NR - 1 (q rows q, q + D, ..; NR <= 3) against the NP positions whose K rows are krow[0 .. NP):
+// their scores times ks[i] (the positions' K scales) and qs[j] (the rows' query scales) into s + j * ld.
+template <int C, int NR, int NP>
+inline void scores_block_i16(const int8_t* const* krow, const int16_t* q, const float* ks, const float* qs, float* s,
+                             int64_t ld) {
+  static_assert(NR * NP <= 12 && NP % 4 == 0, "up to twelve accumulators, reduced four at a time");
+  constexpr int D = 16 * C;
+  __m256i a[NR][NP];
+#pragma GCC unroll 4
+  for (int j = 0; j < NR; ++j)
+#pragma GCC unroll 8
+    for (int i = 0; i < NP; ++i) a[j][i] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c) {
+#pragma GCC unroll 8
+    for (int i = 0; i < NP; ++i) {
+      const __m256i k = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(krow[i] + 16 * c)));
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j)
+        a[j][i] = _mm256_add_epi32(
+            a[j][i], _mm256_madd_epi16(k, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * D + 16 * c))));
+    }
+  }
+  // Four accumulators -> their four sums, as scores_block does in float32.
+  auto four = [](const __m256i* v) {
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  };
+#pragma GCC unroll 4
+  for (int j = 0; j < NR; ++j) {
+    const __m128 qsj = _mm_set1_ps(qs[j]);
+#pragma GCC unroll 2
+    for (int i = 0; i < NP; i += 4)
+      _mm_storeu_ps(s + j * ld + i, _mm_mul_ps(_mm_cvtepi32_ps(four(a[j] + i)), _mm_mul_ps(_mm_loadu_ps(ks + i), qsj)));
+  }
+}
+
+// Rows r .. r + NR - 1 (NR <= 3) of P V over the group's positions [p0, p1), output elements [32 d, 32 d + 32):
+// int16 weights w + j * ld (indexed by position; zero from L to the group's end, so an odd last position pairs its
+// row with itself at weight 0), the group's scales ws[j * ws_ld], added into acc + j * D at 32 d. Within each
+// 128-bit lane k of a 16-element chunk h, `lo` holds elements 16 h + 8 k + 0..3 of both positions interleaved and
+// `hi` 16 h + 8 k + 4..7, so the float sums are kept in that order: acc[32 d + 8 m], m = 2 h + (0 lo, 1 hi).
+template <int D, int NR>
+inline void values_block_i16(const int8_t* vp, const int64_t* offs, const int16_t* w, int64_t ld, int64_t p0,
+                             int64_t p1, int64_t L, int d, const float* ws, int64_t ws_ld, float* acc,
+                             int64_t fetch_end) {
+  __m256i a[NR][4];
+#pragma GCC unroll 4
+  for (int j = 0; j < NR; ++j)
+#pragma GCC unroll 4
+    for (int m = 0; m < 4; ++m) a[j][m] = _mm256_setzero_si256();
+  for (int64_t i = p0; i < p1; i += 2) {
+    if (i + kAhead + 1 < fetch_end) {
+      prefetch_row_l1(vp + offs[i + kAhead], D);
+      prefetch_row_l1(vp + offs[i + kAhead + 1], D);
+    }
+    const int8_t* va = vp + offs[i] + 32 * d;
+    const int8_t* vb = vp + offs[std::min(i + 1, L - 1)] + 32 * d;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(va + 16 * h)));
+      const __m256i y = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vb + 16 * h)));
+      const __m256i lo = _mm256_unpacklo_epi16(x, y), hi = _mm256_unpackhi_epi16(x, y);
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        int32_t pair;  // the row's weights for positions i, i + 1
+        std::memcpy(&pair, w + j * ld + i, 4);
+        const __m256i wp = _mm256_set1_epi32(pair);
+        a[j][2 * h] = _mm256_add_epi32(a[j][2 * h], _mm256_madd_epi16(lo, wp));
+        a[j][2 * h + 1] = _mm256_add_epi32(a[j][2 * h + 1], _mm256_madd_epi16(hi, wp));
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < NR; ++j) {
+    float* o = acc + j * D + 32 * d;
+    const __m256 sc = _mm256_set1_ps(ws[j * ws_ld]);
+#pragma GCC unroll 4
+    for (int m = 0; m < 4; ++m)
+      _mm256_storeu_ps(o + 8 * m, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[j][m]), sc, _mm256_loadu_ps(o + 8 * m)));
+  }
+}
+
+// How many rows (of n left) the next block of item_q8_i16 takes: 3 where 3 or 5+ are left (GQA 3), else 2, else 1.
+inline int rows_at(int64_t n) { return n == 3 || n >= 5 ? 3 : n >= 2 ? 2 : 1; }
+
+template <int D, typename T>
+void item_q8_i16(const T* qp, const int8_t* kp, const int8_t* vp, const float* ksc, const float* vsc, T* op,
+                 const Layout& lay, const Item& it, Buffers& buf) {
+  static_assert(D % 32 == 0, "the value pass takes 32 elements at a time");
+  constexpr int C = D / 16;  // 16-element chunks of a row
+  const int64_t G = lay.G, R = it.nq * G, L = it.ctx - it.first;
+  const int64_t NG = (L + kGroupI16 - 1) / kGroupI16, LG = NG * kGroupI16;  // rows of probs and weights: LG long
+  queries_i16(qp, lay, it, R, buf);
+  buf.ksf.assign(LG, 0.f);  // the positions' scales (the first rows' scores pass gathers them), 0 past L
+  buf.vsf.assign(LG, 0.f);
+  const int64_t* offs = buf.offs.data();
+  buf.probs.resize(R * LG);
+  buf.inv.resize(R);
+  float* probs = buf.probs.data();
+  // Scores: rows in pairs (4 positions a step), a last odd row alone (8 positions a step). A short last block
+  // repeats its last position; its extra scores land in the row's padding and are zeroed below.
+  auto scores = [&]<int NR, int NP>(int64_t r) {
+    for (int64_t i0 = 0; i0 < L; i0 += NP) {
+      const int8_t* krow[NP];
+#pragma GCC unroll 8
+      for (int i = 0; i < NP; ++i) {
+        krow[i] = kp + offs[std::min<int64_t>(i0 + i, L - 1)];
+        if (r == 0) {  // the first rows' pass requests K and V rows and their scales, and gathers the scales
+          if (i0 + i + kAheadQ8 < L) {
+            const int64_t o = offs[i0 + i + kAheadQ8];
+            prefetch_row(kp + o, D);
+            prefetch_row(vp + o, D);
+            __builtin_prefetch(ksc + o / D, 0, 2);  // a third stream, as cold as the rows: gathered in one loop
+            __builtin_prefetch(vsc + o / D, 0, 2);  // before this pass, they had waited a latency a block
+          }
+          if (i0 + i < L) {
+            buf.ksf[i0 + i] = ksc[offs[i0 + i] / D];
+            buf.vsf[i0 + i] = vsc[offs[i0 + i] / D];
+          }
+        }
+      }
+      scores_block_i16<C, NR, NP>(krow, buf.q16.data() + r * D, buf.ksf.data() + i0, buf.qs.data() + r,
+                                  probs + r * LG + i0, LG);
+    }
+  };
+  int64_t r = 0;
+  for (; r < R; r += rows_at(R - r)) {
+    if (rows_at(R - r) == 3) scores.template operator()<3, 4>(r);
+    else if (rows_at(R - r) == 2) scores.template operator()<2, 4>(r);
+    else scores.template operator()<1, 8>(r);
+  }
+  softmax_rows(probs, buf.inv.data(), it, R, G, LG, lay.window);
+  // Weights: p_t * vscale_t, 0 where the row does not see t and past L, as int16 per group at max / 32767 (one
+  // scale per row would round every weight under 1/65534 of the row's largest to 0: see item_q8_vnni).
+  buf.w16.resize(R * LG);
+  buf.ws.resize(R * NG);
+  for (r = 0; r < R; ++r) {
+    const auto [lo, e] = visible_positions(it, r, G, lay.window);
+    float* p = probs + r * LG;
+    std::fill(p, p + (lo - it.first), 0.f);
+    std::fill(p + (e - it.first), p + LG, 0.f);
+    for (int64_t g = 0; g < NG; ++g) {
+      const int64_t i0 = g * kGroupI16;
+      __m256 w[4];
+      __m256 mx = _mm256_setzero_ps();  // weights are >= 0
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        w[k] = _mm256_mul_ps(_mm256_loadu_ps(p + i0 + 8 * k), _mm256_loadu_ps(buf.vsf.data() + i0 + 8 * k));
+        mx = _mm256_max_ps(mx, w[k]);
+      }
+      const __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      const __m128 h2 = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      const float wmax = std::max(_mm_cvtss_f32(h2), _mm_cvtss_f32(_mm_shuffle_ps(h2, h2, 1)));
+      const __m256 inv = _mm256_set1_ps(wmax > 0.f ? 32767.f / wmax : 0.f);
+#pragma GCC unroll 2
+      for (int k = 0; k < 4; k += 2) {  // packs interleaves 128-bit lanes: put them back in position order
+        const __m256i x = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(w[k], inv)),
+                                             _mm256_cvtps_epi32(_mm256_mul_ps(w[k + 1], inv)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.w16.data() + r * LG + i0 + 8 * k),
+                            _mm256_permute4x64_epi64(x, 0xD8));
+      }
+      buf.ws[r * NG + g] = wmax / 32767.f;
+    }
+  }
+  // Values: group by group, 32 output elements at a time.
+  buf.acc.assign(R * D, 0.f);  // per row, in values_block_i16's lane order
+  const int16_t* w16 = buf.w16.data();
+  for (int64_t g = 0; g < NG; ++g) {
+    const int64_t p0 = g * kGroupI16, p1 = std::min(L, p0 + kGroupI16);
+    for (r = 0; r < R; r += rows_at(R - r))
+      for (int d = 0; d < D / 32; ++d) {
+        const int64_t fetch_end = r == 0 && d == 0 ? L : 0;
+        const float* ws = buf.ws.data() + r * NG + g;
+        float* acc = buf.acc.data() + r * D;
+        if (rows_at(R - r) == 3) values_block_i16<D, 3>(vp, offs, w16 + r * LG, LG, p0, p1, L, d, ws, NG, acc, fetch_end);
+        else if (rows_at(R - r) == 2) values_block_i16<D, 2>(vp, offs, w16 + r * LG, LG, p0, p1, L, d, ws, NG, acc, fetch_end);
+        else values_block_i16<D, 1>(vp, offs, w16 + r * LG, LG, p0, p1, L, d, ws, NG, acc, fetch_end);
+      }
+  }
+  for (r = 0; r < R; ++r) {
+    T* orow = op + ((it.row0 + r / G) * lay.H + it.h * G + r % G) * D;
+    const float* a = buf.acc.data() + r * D;
+    const float f = buf.inv[r];
+    for (int c = 0; c < D / 16; ++c)  // chunk c: lanes m = 2 (c % 2) (lo) and + 1 (hi) of slab c / 2
+      for (int x = 0; x < 8; ++x) {
+        const int e = 16 * c + (x < 4 ? x : x + 4);  // lane x of lo; the same lane of hi is e + 4
+        orow[e] = static_cast<T>(a[16 * c + x] * f);
+        orow[e + 4] = static_cast<T>(a[16 * c + 8 + x] * f);
+      }
+  }
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define LEVERLAB_ATTN_Q8_512 1
 // The int8 cache in AVX-512, as item_bf16 above reads a bf16 one: a row's 16 int8 elements widen to float32 in
@@ -750,16 +987,7 @@ void item_q8_vnni(const T* qp, const int8_t* kp, const int8_t* vp, const float* 
   constexpr int C = D / 32;  // 32-element int16 chunks of a row
   constexpr int kRows = D <= 64 ? 4 : D <= 128 ? 2 : 1;  // value accumulators 2 * C * kRows <= 16 registers
   const int64_t G = lay.G, R = it.nq * G, L = it.ctx - it.first;
-  buf.q16.resize(R * D);
-  buf.qs.resize(R);
-  for (int64_t r = 0; r < R; ++r) {
-    const T* q = qp + ((it.row0 + r / G) * lay.H + it.h * G + r % G) * D;
-    float amax = 0.f;
-    for (int d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(q[d])));
-    const float s = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / s;
-    for (int d = 0; d < D; ++d) buf.q16[r * D + d] = static_cast<int16_t>(std::nearbyint(static_cast<float>(q[d]) * inv));
-    buf.qs[r] = s * lay.scale;
-  }
+  queries_i16(qp, lay, it, R, buf);
   buf.probs.resize(R * L);
   buf.inv.resize(R);
   alignas(64) int16_t kw[16][D];
@@ -1068,6 +1296,13 @@ void spans_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
           if (D == 64) { item_q8_vnni<64>(qp, kp, vp, ksc, vsc, op, lay, it, buf); continue; }
           if (D == 128) { item_q8_vnni<128>(qp, kp, vp, ksc, vsc, op, lay, it, buf); continue; }
           if (D == 256) { item_q8_vnni<256>(qp, kp, vp, ksc, vsc, op, lay, it, buf); continue; }
+        }
+#endif
+#if defined(LEVERLAB_ATTN_Q8_I16)
+        if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double>) {
+          if (D == 64) { item_q8_i16<64>(qp, kp, vp, ksc, vsc, op, lay, it, buf); continue; }
+          if (D == 128) { item_q8_i16<128>(qp, kp, vp, ksc, vsc, op, lay, it, buf); continue; }
+          if (D == 256) { item_q8_i16<256>(qp, kp, vp, ksc, vsc, op, lay, it, buf); continue; }
         }
 #endif
 #if defined(LEVERLAB_ATTN_Q8_512)
