@@ -773,8 +773,8 @@ void item_q8_i16(const T* qp, const int8_t* kp, const int8_t* vp, const float* k
   buf.probs.resize(R * LG);
   buf.inv.resize(R);
   float* probs = buf.probs.data();
-  // Scores: rows in pairs (4 positions a step), a last odd row alone (8 positions a step). A short last block
-  // repeats its last position; its extra scores land in the row's padding and are zeroed below.
+  // Scores: rows three or two at a time (4 positions a step), a last odd row alone (8 positions a step). A short
+  // last block repeats its last position; its extra scores land in the row's padding and are zeroed below.
   auto scores = [&]<int NR, int NP>(int64_t r) {
     for (int64_t i0 = 0; i0 < L; i0 += NP) {
       const int8_t* krow[NP];
@@ -846,11 +846,15 @@ void item_q8_i16(const T* qp, const int8_t* kp, const int8_t* vp, const float* k
     for (r = 0; r < R; r += rows_at(R - r))
       for (int d = 0; d < D / 32; ++d) {
         const int64_t fetch_end = r == 0 && d == 0 ? L : 0;
+        const int16_t* w = w16 + r * LG;
         const float* ws = buf.ws.data() + r * NG + g;
         float* acc = buf.acc.data() + r * D;
-        if (rows_at(R - r) == 3) values_block_i16<D, 3>(vp, offs, w16 + r * LG, LG, p0, p1, L, d, ws, NG, acc, fetch_end);
-        else if (rows_at(R - r) == 2) values_block_i16<D, 2>(vp, offs, w16 + r * LG, LG, p0, p1, L, d, ws, NG, acc, fetch_end);
-        else values_block_i16<D, 1>(vp, offs, w16 + r * LG, LG, p0, p1, L, d, ws, NG, acc, fetch_end);
+        if (rows_at(R - r) == 3)
+          values_block_i16<D, 3>(vp, offs, w, LG, p0, p1, L, d, ws, NG, acc, fetch_end);
+        else if (rows_at(R - r) == 2)
+          values_block_i16<D, 2>(vp, offs, w, LG, p0, p1, L, d, ws, NG, acc, fetch_end);
+        else
+          values_block_i16<D, 1>(vp, offs, w, LG, p0, p1, L, d, ws, NG, acc, fetch_end);
       }
   }
   for (r = 0; r < R; ++r) {
