@@ -659,7 +659,7 @@ void item_q8(const T* qp, const int8_t* kp, const int8_t* vp, const float* ksc, 
 //           group of 3, else 2, a last odd row alone), each K chunk of 16 elements sign-extended once for the NR
 //           rows; the NP sums of a row reduced together by one horizontal-add tree, then times the positions' K
 //           scales and the row's query scale. The first rows' pass also gathers the K/V scales, requested with
-//           the rows (gathered in a loop of their own first, they waited a memory latency per block: 12% of the
+//           the rows (gathered in a loop of their own first, they waited a memory latency per block: 10-12% of the
 //           kernel's time over scattered blocks).
 //   values: per row and group of kGroupI16 positions, the weights p_t * vscale_t as int16 at the group's own
 //           scale (max / 32767, as item_q8_vnni), two positions' V rows interleaved as int16 pairs so one vpmaddwd
