@@ -74,6 +74,7 @@ class ModelRunner:
         self.step_hook = None  # rank 0 at TP > 1: sends each step's inputs to the other ranks (distributed/)
         # Per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]; with --kv-cache-dtype int8/fp8
         # one byte per element plus kv_scales [2, num_blocks, block_size, num_kv_heads] (quant/kv_cache.py).
+        # Indexed as that shape; each block is stored head-major (allocate says why).
         self.kv_caches, self.kv_scales = kv_quant.allocate(
             config.kv_cache_dtype, self.dtype, cfg.num_layers, self.num_blocks, self.block_size,
             self.num_kv_heads, cfg.head_dim, self.device)

@@ -2,6 +2,8 @@
 
 The cache of one layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim]. A sequence owns a
 list of blocks (its block table); token t of a sequence lives at slot block_table[t // bs] * bs + t % bs.
+The engine stores each block head-major (quant/kv_cache.py allocate), so the cache tensors are transposed views:
+this module indexes them and never flattens them; the C++ kernel reads either layout through the strides.
 
 The kernel is registered as a torch custom op, so that a compiled model treats it as one opaque call:
 Inductor compiles the projections and MLPs around it while the cache writes and the per-sequence
@@ -124,8 +126,9 @@ def attention_impl(
         kv_quant.write(k_cache, k_scale, k, slot_mapping)
         kv_quant.write(v_cache, v_scale, v, slot_mapping)
     else:
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        blk, row = slot_mapping // block_size, slot_mapping % block_size  # by index: either layout (allocate)
+        k_cache[blk, row] = k.to(k_cache.dtype)
+        v_cache[blk, row] = v.to(v_cache.dtype)
 
     def blocks(cache, cache_scale, table):  # cache[table] in q's dtype: [*table.shape, block_size, KVH, D]
         if cache_scale is None:
@@ -148,7 +151,7 @@ def attention_impl(
 
         def head_major(cache, cache_scale):  # -> [KVH, B, L, D] (a view; matmul makes it contiguous)
             g = blocks(cache, cache_scale, table)  # [B, nblocks, BS, KVH, D], one gather copy
-            return g.view(batch, -1, num_kv_heads, head_dim)[:, :max_len].permute(2, 0, 1, 3)
+            return g.reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len].permute(2, 0, 1, 3)
 
         keys, values = head_major(k_cache, k_scale), head_major(v_cache, v_scale)
         # Two batched matmuls, not SDPA: its CPU flash kernel is built for long query blocks and spent
@@ -166,8 +169,8 @@ def attention_impl(
         s, e = starts[i], starts[i + 1]
         nblocks = -(-ctx // block_size)
         table = block_tables[i, :nblocks]
-        keys = blocks(k_cache, k_scale, table).view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
-        values = blocks(v_cache, v_scale, table).view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
+        keys = blocks(k_cache, k_scale, table).reshape(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
+        values = blocks(v_cache, v_scale, table).reshape(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
         qi = q[s:e].transpose(0, 1)  # [H, q_len, D]
         q_len = e - s
         if q_len == ctx and not window:

@@ -39,6 +39,7 @@ from leverlab.layers import cpu_kernels
 from leverlab.layers.attention import AttentionMetadata, forward_context
 from leverlab.layers.linear import Linear
 from leverlab.models.loader import DTYPES
+from leverlab.quant import kv_cache as kv_quant
 from leverlab.quant.base import attach_quant_method, finish_quantization
 from leverlab.quant.registry import get_quant_method
 from leverlab.spec.base import Draft
@@ -99,8 +100,9 @@ class EagleProposer:
         # As many tokens as the target's pool, plus headroom for the K - 1 draft rows of each sequence.
         num_blocks = runner.num_blocks + self.engine_config.max_num_seqs
         self.blocks = BlockManager(num_blocks, bs, enable_prefix_caching=False)
-        self.kv_caches = [torch.zeros(2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype,
-                                      device=self.device)]
+        # The head's own bf16 cache, in the target's layout (kv_cache.allocate: head-major blocks).
+        self.kv_caches, _ = kv_quant.allocate("auto", self.dtype, 1, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim,
+                                              self.device)
         self.draft_head = self._drafting_weights()
         if self.device.type == "cpu":
             self.fused = fused_head(self.head, self._embedding_table(), self.draft_head, self.kv_caches[0])

@@ -8,10 +8,12 @@ def span_batch(g: torch.Generator, lens: list[int], spans: list[int], nb: int, b
                h: int, kvh: int, d: int, dtype: torch.dtype):
     """Sequence i has context lens[i], the last spans[i] positions of it new this step (a decode: 1, a
     verification: 1 + K, a prefill chunk: more). Returns attention_impl's arguments from q on:
-    (q [T, H, D], k and v [T, KVH, D], slots, block tables [B, blocks_per_seq] (random blocks of nb),
-    seq_lens, query_start_loc), drawn from g in that order."""
+    (q [T, H, D], k and v [T, KVH, D], slots, block tables [B, blocks_per_seq] (random blocks of nb, no block
+    in two tables, as the engine's block manager hands them out: a slot written twice in one step would make the
+    result depend on the order of the writes), seq_lens, query_start_loc), drawn from g in that order."""
     b, t = len(lens), sum(spans)
-    tables = torch.stack([torch.randperm(nb, generator=g)[:blocks_per_seq] for _ in range(b)])
+    assert b * blocks_per_seq <= nb, "disjoint tables need b * blocks_per_seq blocks"
+    tables = torch.randperm(nb, generator=g)[: b * blocks_per_seq].view(b, blocks_per_seq)
     q = torch.randn(t, h, d, generator=g).to(dtype)
     k, v = (torch.randn(t, kvh, d, generator=g).to(dtype) for _ in range(2))
     slots = torch.tensor([int(tables[i, p // bs]) * bs + p % bs

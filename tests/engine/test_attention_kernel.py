@@ -8,18 +8,27 @@ from leverlab.layers.attention import attention_impl
 from tests.engine.helpers import span_batch
 
 
+def kv_caches(g, nb, bs, kvh, d, dtype, head_major):
+    """Random K and V caches [nb, bs, kvh, d]: contiguous (slot-major), or stored head-major within a block as the
+    engine allocates them (quant/kv_cache.py allocate); the kernel reads either through the strides."""
+    shape = (nb, kvh, bs, d) if head_major else (nb, bs, kvh, d)
+    kc, vc = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    return (kc.transpose(1, 2), vc.transpose(1, 2)) if head_major else (kc, vc)
+
+
 # head_dim 32 takes the generic loops; 128 in bfloat16 the AVX-512 path where the CPU has one
 @pytest.mark.parametrize("d", [32, 128])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("window", [0, 5])
-def test_kernel_matches_pytorch_path(monkeypatch, dtype, tol, window, d):
+@pytest.mark.parametrize("head_major", [False, True])
+def test_kernel_matches_pytorch_path(monkeypatch, dtype, tol, window, d, head_major):
     if cpu_kernels.kernels() is None:
         pytest.skip("no C++ compiler here: the engine uses the PyTorch path")
     g = torch.Generator().manual_seed(0)
     nb, bs, kvh, h, b = 40, 4, 2, 6, 5
-    kc, vc = (torch.randn(nb, bs, kvh, d, generator=g).to(dtype) for _ in range(2))
+    kc, vc = kv_caches(g, nb, bs, kvh, d, dtype, head_major)
     lens = torch.tensor([1, 7, 13, 4, 16])
-    tables = torch.stack([torch.randperm(nb, generator=g)[:4] for _ in range(b)])
+    tables = torch.randperm(nb, generator=g)[: b * 4].view(b, 4)  # disjoint, as the block manager gives them
     q, k, v = torch.randn(b, h, d, generator=g).to(dtype), *(torch.randn(b, kvh, d, generator=g).to(dtype) for _ in range(2))
     slots = torch.stack([tables[i, (lens[i] - 1) // bs] * bs + (lens[i] - 1) % bs for i in range(b)])
     args = (slots, tables, lens, torch.arange(b + 1), 0.3)
@@ -34,7 +43,8 @@ def test_kernel_matches_pytorch_path(monkeypatch, dtype, tol, window, d):
 @pytest.mark.parametrize("d", [32, 64, 256])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("window", [0, 3])
-def test_kernel_matches_pytorch_path_for_query_spans(monkeypatch, dtype, tol, window, d):
+@pytest.mark.parametrize("head_major", [False, True])
+def test_kernel_matches_pytorch_path_for_query_spans(monkeypatch, dtype, tol, window, d, head_major):
     """Verification steps: 1 + K queries per sequence, causal within the span, mixed with plain decodes."""
     if cpu_kernels.kernels() is None:
         pytest.skip("no C++ compiler here: the engine uses the PyTorch path")
@@ -42,7 +52,7 @@ def test_kernel_matches_pytorch_path_for_query_spans(monkeypatch, dtype, tol, wi
     nb, bs, kvh, h = 40, 4, 2, 6
     lens = [1, 9, 13, 5, 16, 4]
     spans = [1, 4, 5, 1, 3, 4]  # queries per sequence: the last `span` positions of its context
-    kc, vc = (torch.randn(nb, bs, kvh, d, generator=g).to(dtype) for _ in range(2))
+    kc, vc = kv_caches(g, nb, bs, kvh, d, dtype, head_major)
     q, k, v, *meta = span_batch(g, lens, spans, nb, bs, 4, h, kvh, d, dtype)
     args = (*meta, 0.3)
     ours = attention_impl(q, k, v, kc.clone(), vc.clone(), *args, window=window)
@@ -51,19 +61,21 @@ def test_kernel_matches_pytorch_path_for_query_spans(monkeypatch, dtype, tol, wi
     assert torch.allclose(ours.float(), ref.float(), atol=tol, rtol=0)
 
 
-def test_kernel_writes_the_new_kv_into_its_slots():
+@pytest.mark.parametrize("head_major", [False, True])
+def test_kernel_writes_the_new_kv_into_its_slots(head_major):
     """The kernel path stores this step's K/V itself (no separate index_copy_): the cache afterwards holds
-    them at their slots, as the PyTorch path leaves it."""
+    them at their slots, as the PyTorch path leaves it, in either layout."""
     if cpu_kernels.kernels() is None:
         pytest.skip("no C++ compiler here: the engine uses the PyTorch path")
     g = torch.Generator().manual_seed(2)
     nb, bs, kvh, d, h = 8, 4, 2, 64, 4
-    kc, vc = torch.zeros(nb, bs, kvh, d, dtype=torch.bfloat16), torch.zeros(nb, bs, kvh, d, dtype=torch.bfloat16)
+    kc, vc = (c.zero_() for c in kv_caches(g, nb, bs, kvh, d, torch.bfloat16, head_major))
     q = torch.randn(2, h, d, generator=g).bfloat16()
     k, v = (torch.randn(2, kvh, d, generator=g).bfloat16() for _ in range(2))
     slots = torch.tensor([5, 22])
     attention_impl(q, k, v, kc, vc, slots, torch.tensor([[1], [5]]), torch.tensor([2, 3]), torch.arange(3), 0.1)
-    assert torch.equal(kc.view(-1, kvh, d)[slots], k) and torch.equal(vc.view(-1, kvh, d)[slots], v)
+    blk, row = slots // bs, slots % bs
+    assert torch.equal(kc[blk, row], k) and torch.equal(vc[blk, row], v)
     assert int((kc != 0).any(-1).any(-1).sum()) == 2  # nothing else written
 
 
@@ -132,3 +144,44 @@ def test_a_decode_row_is_the_same_alone_batched_in_a_span_and_on_any_threads(d, 
                 assert torch.equal(got, span[j]), f"row {j}"
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("cache", ["bf16", "int8"])
+def test_either_cache_layout_gives_the_same_bits(cache):
+    """The engine stores each block head-major (quant/kv_cache.py allocate); a contiguous tensor of the same
+    logical shape is slot-major. Same contents, same bits out, new K/V written to the same logical places; int8
+    scales laid out unlike their cache are refused with a clear error."""
+    kern = cpu_kernels.kernels()
+    if kern is None:
+        pytest.skip("no C++ compiler here: the engine uses the PyTorch path")
+    from leverlab.quant import kv_cache as kvq
+
+    g = torch.Generator().manual_seed(11)
+    nb, bs, kvh, d, h, b, ctx = 24, 16, 4, 128, 8, 3, 70
+    name = "int8" if cache == "int8" else "auto"
+    caches, scales = kvq.allocate(name, torch.bfloat16, 1, nb, bs, kvh, d, "cpu")
+    head = caches[0]
+    assert head.stride(3) == bs * d and head.stride(2) == d  # [2, nb, bs, kvh, d], head-major within a block
+    if cache == "int8":
+        head.copy_(torch.randint(-127, 128, head.shape, generator=g, dtype=torch.int8))
+        scales[0].copy_(torch.rand(scales[0].shape, generator=g) * 0.02)
+    else:
+        head.copy_(torch.randn(head.shape, generator=g).bfloat16())
+    slot = head.contiguous()
+    tables = torch.randperm(nb, generator=g)[: b * 5].view(b, 5)
+    lens = torch.tensor([ctx, 33, 80])
+    slots = torch.stack([tables[i, (lens[i] - 1) // bs] * bs + (lens[i] - 1) % bs for i in range(b)])
+    q = torch.randn(b, h, d, generator=g).bfloat16()
+    k, v = (torch.randn(b, kvh, d, generator=g).bfloat16() for _ in range(2))
+    outs, after = [], []
+    for c, s in ((head, scales[0] if scales else None), (slot, scales[0].contiguous() if scales else None)):
+        c = c.clone()
+        extra = (s[0].clone(), s[1].clone()) if s is not None else (None, None)
+        outs.append(kern.paged_decode(q, k, v, c[0], c[1], slots, tables, lens, torch.arange(b + 1), 0.1, 0, *extra))
+        after.append(c)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(after[0], after[1])  # the new rows landed in the same logical slots
+    if cache == "int8":
+        with pytest.raises(RuntimeError, match="laid out as the cache"):
+            kern.paged_decode(q, k, v, head[0], head[1], slots, tables, lens, torch.arange(b + 1), 0.1, 0,
+                              scales[0][0].contiguous(), scales[0][1].contiguous())

@@ -16,7 +16,7 @@ def test_write_then_gather_is_within_half_a_step_per_token_and_head(name):
     x[2, 1] *= 50  # one loud token-head must not coarsen the others
     slots = torch.tensor([0, 1, 5, 16, 33, 63])
     kvq.write(caches[0][0], scales[0][0], x, slots)
-    got = kvq.gather(caches[0][0], scales[0][0], torch.arange(4), torch.float32).view(-1, 2, 64)[slots]
+    got = kvq.gather(caches[0][0], scales[0][0], torch.arange(4), torch.float32).reshape(-1, 2, 64)[slots]
     step = x.abs().amax(-1, keepdim=True) / (127 if name == "int8" else 448)
     # int8: half a step; e4m3: relative 2^-4 of the value, or half the subnormal step near zero
     bound = step / 2 if name == "int8" else torch.maximum(x.abs() * 2**-4, step * 2**-9)

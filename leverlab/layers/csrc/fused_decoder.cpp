@@ -281,8 +281,8 @@ class FusedDecoder {
   void set_kv_scales(const std::vector<at::Tensor>& scales) {
     TORCH_CHECK(scales.size() == kv_caches_.size(), "set_kv_scales: one tensor per layer");
     for (size_t i = 0; i < scales.size(); ++i)
-      TORCH_CHECK(kv_caches_[i].scalar_type() == at::kChar && scales[i].scalar_type() == at::kFloat &&
-                      scales[i].is_contiguous(), "set_kv_scales: int8 caches, contiguous float32 scales");
+      TORCH_CHECK(kv_caches_[i].scalar_type() == at::kChar && scales[i].scalar_type() == at::kFloat,
+                  "set_kv_scales: int8 caches, float32 scales (laid out as the cache: paged_decode checks)");
     for (size_t i = 0; i < scales.size(); ++i) {
       layers_[i].k_scale = scales[i][0];
       layers_[i].v_scale = scales[i][1];

@@ -8,7 +8,7 @@
 // vectorizes too), then the weighted sum of values. Float32 throughout.
 //
 // q [T, H, D] (sequence after sequence); k, v [T, KVH, D] (the new tokens, written to slot_mapping [T]);
-// k_cache, v_cache [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks] int64; seq_lens [B] int64
+// k_cache, v_cache [num_blocks, block_size, KVH, D] (either memory order: CacheStrides); block_tables [B, max_blocks] int64; seq_lens [B] int64
 // (context length including the new tokens); query_start_loc [B + 1] int64 (sequence b's queries are rows
 // qsl[b] .. qsl[b + 1]) -> out [T, H, D]. Query j of a span of n sits at position ctx - n + j and sees
 // positions up to its own (causal); window > 0: only the last `window` positions up to its own.
@@ -57,9 +57,10 @@ inline const float* as_float<c10::BFloat16>(const c10::BFloat16* src, float* buf
   return buf;
 }
 
-// One head's K (or V) rows sit KVH * D elements apart, too far for the hardware prefetcher to follow: fetched
-// on demand, each position waited a memory latency (measured: 95 ns per position, 1.8 ms per layer for 16
-// sequences of 150 tokens). So pass 1 requests rows kAhead positions early.
+// In a slot-major cache one head's K (or V) rows sit KVH * D elements apart, too far for the hardware prefetcher
+// to follow: fetched on demand, each position waited a memory latency (measured: 95 ns per position, 1.8 ms per
+// layer for 16 sequences of 150 tokens). So pass 1 requests rows kAhead positions early. The engine's head-major
+// blocks put a head's rows of a block together, but blocks are scattered, so the requests still pay.
 constexpr int64_t kAhead = 8;
 // The int8 cache's integer path (item_q8_vnni) spends ~20 ns a position where the float loops spent ~50, so 8
 // positions ahead no longer covered a memory latency: 32 read 1.2x faster than 8 over the bundled model's 16 x 1,000
@@ -84,11 +85,24 @@ inline void prefetch_row_l1(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
 }
 
+// Where the caches' elements are (in elements): block, slot-in-block and head strides; a head's D elements are
+// contiguous. Both layouts of one logical shape [num_blocks, block_size, KVH, D] are read through these: the
+// engine allocates blocks head-major (quant/kv_cache.py allocate: each head's block_size rows contiguous, read front
+// to back by the kernels below), a plain contiguous tensor is slot-major (one token's KVH rows together).
+struct CacheStrides {
+  int64_t blk, tok, head, BS;
+  explicit CacheStrides(const at::Tensor& c)
+      : blk(c.stride(0)), tok(c.stride(1)), head(c.stride(2)), BS(c.size(1)) {}
+  // The element offset of head h's row for cache slot `slot` (block slot / BS, row slot % BS).
+  int64_t row(int64_t slot, int64_t h) const { return slot / BS * blk + slot % BS * tok + h * head; }
+};
+
 template <typename T>
 void write_new_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                   const at::Tensor& slot_mapping) {
-  const int64_t T_ = k.size(0), row = k.size(1) * k.size(2);  // one token's K (or V): KVH * D elements
+  const int64_t T_ = k.size(0), KVH = k.size(1), D = k.size(2);
   const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  const CacheStrides cs(k_cache);
   const int64_t* sp = slot_mapping.data_ptr<int64_t>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
@@ -96,8 +110,11 @@ void write_new_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
   T* vc = v_cache.data_ptr<T>();
   for (int64_t t = 0; t < T_; ++t) {
     TORCH_CHECK(sp[t] >= 0 && sp[t] < slots, "slot ", sp[t], " is outside the KV cache");
-    std::memcpy(kc + sp[t] * row, kp + t * row, row * sizeof(T));
-    std::memcpy(vc + sp[t] * row, vp + t * row, row * sizeof(T));
+    for (int64_t h = 0; h < KVH; ++h) {
+      const int64_t src = (t * KVH + h) * D, dst = cs.row(sp[t], h);
+      std::memcpy(kc + dst, kp + src, D * sizeof(T));
+      std::memcpy(vc + dst, vp + src, D * sizeof(T));
+    }
   }
 }
 
@@ -108,6 +125,7 @@ void write_new_kv_q8(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cac
                      float* k_scale, float* v_scale, const at::Tensor& slot_mapping) {
   const int64_t T_ = k.size(0), KVH = k.size(1), D = k.size(2);
   const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  const CacheStrides cs(k_cache);
   const int64_t* sp = slot_mapping.data_ptr<int64_t>();
   auto one = [&](const T* x, int8_t* dst, float* sc) {
     float amax = 0.f;
@@ -124,9 +142,9 @@ void write_new_kv_q8(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cac
   for (int64_t t = 0; t < T_; ++t) {
     TORCH_CHECK(sp[t] >= 0 && sp[t] < slots, "slot ", sp[t], " is outside the KV cache");
     for (int64_t h = 0; h < KVH; ++h) {
-      const int64_t src = (t * KVH + h) * D, row = sp[t] * KVH + h;
-      one(kp + src, kc + row * D, k_scale + row);
-      one(vp + src, vc + row * D, v_scale + row);
+      const int64_t src = (t * KVH + h) * D, dst = cs.row(sp[t], h);  // scales: the row's offset / D
+      one(kp + src, kc + dst, k_scale + dst / D);
+      one(vp + src, vc + dst, v_scale + dst / D);
     }
   }
 }
@@ -201,7 +219,7 @@ struct Buffers {
 };
 
 struct Layout {
-  int64_t H, D, BS, KVH, G, MB, tok_stride, blk_stride;
+  int64_t H, D, BS, KVH, G, MB, tok_stride, head_stride, blk_stride;  // the strides: CacheStrides
   const int64_t* tables;
   int64_t window;
   float scale;
@@ -214,7 +232,7 @@ inline void row_offsets(const Layout& lay, const Item& it, Buffers& buf) {
   const int64_t* table = lay.tables + it.b * lay.MB;
   for (int64_t pos = it.first, i = 0; pos < it.ctx;) {
     const int64_t blk = pos / lay.BS, end = std::min(it.ctx, (blk + 1) * lay.BS);
-    const int64_t base = table[blk] * lay.blk_stride + it.h * lay.D - blk * lay.BS * lay.tok_stride;
+    const int64_t base = table[blk] * lay.blk_stride + it.h * lay.head_stride - blk * lay.BS * lay.tok_stride;
     for (; pos < end; ++pos, ++i) buf.offs[i] = base + pos * lay.tok_stride;
   }
 }
@@ -1274,7 +1292,8 @@ void spans_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
                 double scale, int64_t window, at::Tensor& out) {
   const int64_t B = seq_lens.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
-  const Layout lay{H, D, BS, KVH, H / KVH, block_tables.size(1), KVH * D, BS * KVH * D,
+  const CacheStrides cs(k_cache);
+  const Layout lay{H, D, BS, KVH, H / KVH, block_tables.size(1), cs.tok, cs.head, cs.blk,
                    block_tables.data_ptr<int64_t>(), window, static_cast<float>(scale)};
   const T* qp = q.data_ptr<T>();
   const C* kp = static_cast<const C*>(k_cache.data_ptr());
@@ -1340,7 +1359,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
                         int64_t window, const c10::optional<at::Tensor>& k_scale,
                         const c10::optional<at::Tensor>& v_scale) {
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
+  // Either layout (CacheStrides), the same for K and V; K/V rows of D contiguous elements that no two slots share.
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1 && k_cache.is_non_overlapping_and_dense() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(),
+              "caches [num_blocks, block_size, KVH, D], dense, with D contiguous, K and V alike");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   query_start_loc.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong,
               "int64 metadata");
@@ -1350,9 +1372,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
     TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar,
                 "scales come with an int8 cache");
     TORCH_CHECK(k_scale->scalar_type() == at::kFloat && v_scale->scalar_type() == at::kFloat &&
-                    k_scale->is_contiguous() && v_scale->is_contiguous() &&
-                    k_scale->numel() == k_cache.numel() / k_cache.size(3) && v_scale->numel() == k_scale->numel(),
-                "scales: float32 [num_blocks, block_size, KVH], contiguous");
+                    k_scale->dim() == 3 && v_scale->strides() == k_scale->strides() &&
+                    k_scale->size(0) == k_cache.size(0) && k_scale->size(1) == k_cache.size(1) &&
+                    k_scale->size(2) == k_cache.size(2) && v_scale->sizes() == k_scale->sizes() &&
+                    k_scale->stride(0) * k_cache.size(3) == k_cache.stride(0) &&
+                    k_scale->stride(1) * k_cache.size(3) == k_cache.stride(1) &&
+                    k_scale->stride(2) * k_cache.size(3) == k_cache.stride(2),
+                "scales: float32 [num_blocks, block_size, KVH] laid out as the cache (a row's offset / D)");
     TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, k, v share a dtype");
   } else {
     TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k.scalar_type() == k_cache.scalar_type() &&
