@@ -35,19 +35,25 @@ def allocate(kv_cache_dtype: str, model_dtype: torch.dtype, num_layers: int, num
              kv_heads: int, head_dim: int, device) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Per-layer caches [2, blocks, block_size, KVH, D] and, when quantized, their scales [2, blocks, bs, KVH].
 
-    Indexed as that shape everywhere, but stored head-major within a block ([2, blocks, KVH, bs, D] in memory, a
-    transposed view): the decode kernel reads one KV head's rows at a time, and so reads block_size rows in a
+    Indexed as that shape everywhere, but on the CPU stored head-major within a block ([2, blocks, KVH, bs, D] in
+    memory, a transposed view): the decode kernel reads one KV head's rows at a time, and so reads block_size rows in a
     row (4 KB for D = 128 in bf16) where the slot-major order gave it D elements out of every KVH * D. Measured on
     a Zen 1, two threads, one head's rows of 28 layers x 1,000 tokens: 13-15 GB/s against 8-9 with prefetching
     (docs/quantization.md, session 36). The scales follow the same order, so a row's scale sits at its offset / D.
     """
     dtype = _FORMATS[kv_cache_dtype][0] if is_quantized(kv_cache_dtype) else model_dtype
-    caches = [torch.zeros(2, num_blocks, kv_heads, block_size, head_dim, dtype=dtype, device=device).transpose(2, 3)
-              for _ in range(num_layers)]
+    # Head-major only for the CPU kernel that gains from it; elsewhere the gather path reads plain tensors.
+    head_major = torch.device(device).type == "cpu"
+
+    def stored(make, shape, dtype):  # make: torch.zeros / torch.ones; shape as indexed, [2, blocks, bs, KVH, ...]
+        if not head_major:
+            return make(shape, dtype=dtype, device=device)
+        return make((shape[0], shape[1], shape[3], shape[2], *shape[4:]), dtype=dtype, device=device).transpose(2, 3)
+
+    caches = [stored(torch.zeros, (2, num_blocks, block_size, kv_heads, head_dim), dtype) for _ in range(num_layers)]
     if not is_quantized(kv_cache_dtype):
         return caches, None
-    scales = [torch.ones(2, num_blocks, kv_heads, block_size, dtype=SCALE_DTYPE, device=device).transpose(2, 3)
-              for _ in range(num_layers)]
+    scales = [stored(torch.ones, (2, num_blocks, block_size, kv_heads), SCALE_DTYPE) for _ in range(num_layers)]
     return caches, scales
 
 
