@@ -1,4 +1,4 @@
-// Helpers the CPU kernels share: the bias as float32, and (AVX2 + FMA) a horizontal sum and the widening of
+// Helpers the CPU kernels share: the bias as float32, and (AVX2 + FMA) a horizontal sum and max and the widening of
 // 16 bfloat16 values in registers.
 #pragma once
 #include <torch/extension.h>
@@ -17,6 +17,12 @@ inline float hsum8(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+inline float hmax8(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
 // 16 bf16 values -> float32 without shuffles: a 32-bit lane's even element is the lane shifted left by 16, its

@@ -165,9 +165,7 @@ inline float softmax_span(float* p, int64_t n) {
   if (n >= 9) {  // the max eight lanes at a time too: as a scalar chain it took a third of this function
     __m256 mv = _mm256_loadu_ps(p);
     for (i = 8; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(p + i));
-    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
-    const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    m = std::max(_mm_cvtss_f32(q), _mm_cvtss_f32(_mm_shuffle_ps(q, q, 1)));
+    m = hmax8(mv);
   }
 #endif
   for (; i < n; ++i) m = std::max(m, p[i]);
@@ -846,9 +844,7 @@ void item_q8_i16(const T* qp, const int8_t* kp, const int8_t* vp, const float* k
         w[k] = _mm256_mul_ps(_mm256_loadu_ps(p + i0 + 8 * k), _mm256_loadu_ps(buf.vsf.data() + i0 + 8 * k));
         mx = _mm256_max_ps(mx, w[k]);
       }
-      const __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-      const __m128 h2 = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      const float wmax = std::max(_mm_cvtss_f32(h2), _mm_cvtss_f32(_mm_shuffle_ps(h2, h2, 1)));
+      const float wmax = hmax8(mx);
       const __m256 inv = _mm256_set1_ps(wmax > 0.f ? 32767.f / wmax : 0.f);
 #pragma GCC unroll 2
       for (int k = 0; k < 4; k += 2) {  // packs interleaves 128-bit lanes: put them back in position order
