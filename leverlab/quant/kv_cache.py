@@ -37,9 +37,10 @@ def allocate(kv_cache_dtype: str, model_dtype: torch.dtype, num_layers: int, num
 
     Indexed as that shape everywhere, but on the CPU stored head-major within a block ([2, blocks, KVH, bs, D] in
     memory, a transposed view): the decode kernel reads one KV head's rows at a time, and so reads block_size rows in a
-    row (4 KB for D = 128 in bf16) where the slot-major order gave it D elements out of every KVH * D. Measured on
-    a Zen 1, two threads, one head's rows of 28 layers x 1,000 tokens: 13-15 GB/s against 8-9 with prefetching
-    (docs/quantization.md, session 36). The scales follow the same order, so a row's scale sits at its offset / D.
+    row (4 KB for D = 128 in bf16) where the slot-major order gave it D elements out of every KVH * D. Read alone on
+    the Zen 1 machine type, two threads, a head at a time over 28 layers x 1,000 tokens: 10-15 GB/s against 8-9 with
+    prefetching; decode attention 1.14-1.41x (docs/quantization.md, "Session 36"). The scales follow the same order,
+    so a row's scale sits at its offset / D.
     """
     dtype = _FORMATS[kv_cache_dtype][0] if is_quantized(kv_cache_dtype) else model_dtype
     # Head-major only for the CPU kernel that gains from it; elsewhere the gather path reads plain tensors.

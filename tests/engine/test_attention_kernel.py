@@ -5,6 +5,7 @@ import torch
 
 from leverlab.layers import cpu_kernels
 from leverlab.layers.attention import attention_impl
+from leverlab.quant import kv_cache as kvq
 from tests.engine.helpers import span_batch
 
 
@@ -154,8 +155,6 @@ def test_either_cache_layout_gives_the_same_bits(cache):
     kern = cpu_kernels.kernels()
     if kern is None:
         pytest.skip("no C++ compiler here: the engine uses the PyTorch path")
-    from leverlab.quant import kv_cache as kvq
-
     g = torch.Generator().manual_seed(11)
     nb, bs, kvh, d, h, b, ctx = 24, 16, 4, 128, 8, 3, 70
     name = "int8" if cache == "int8" else "auto"
