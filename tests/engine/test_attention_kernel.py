@@ -173,13 +173,15 @@ def test_either_cache_layout_gives_the_same_bits(cache):
     q = torch.randn(b, h, d, generator=g).bfloat16()
     k, v = (torch.randn(b, kvh, d, generator=g).bfloat16() for _ in range(2))
     outs, after = [], []
-    for c, s in ((head, scales[0] if scales else None), (slot, scales[0].contiguous() if scales else None)):
-        c = c.clone()
+    for src, s in ((head, scales[0] if scales else None), (slot, scales[0].contiguous() if scales else None)):
+        c = src.clone()
+        assert c.stride() == src.stride()  # clone keeps the layout under test
         extra = (s[0].clone(), s[1].clone()) if s is not None else (None, None)
         outs.append(kern.paged_decode(q, k, v, c[0], c[1], slots, tables, lens, torch.arange(b + 1), 0.1, 0, *extra))
-        after.append(c)
+        after.append((c, *(e for e in extra if e is not None)))
     assert torch.equal(outs[0], outs[1])
-    assert torch.equal(after[0], after[1])  # the new rows landed in the same logical slots
+    for x, y in zip(*after):  # the new rows (and their scales) landed in the same logical slots
+        assert torch.equal(x, y)
     if cache == "int8":
         with pytest.raises(RuntimeError, match="laid out as the cache"):
             kern.paged_decode(q, k, v, head[0], head[1], slots, tables, lens, torch.arange(b + 1), 0.1, 0,
