@@ -131,6 +131,22 @@ def test_fused_forward_matches_modules_quantized(checkpoint_factory, method, dty
     torch.testing.assert_close(got, expected, atol=tol, rtol=1e-5 if dtype == torch.float32 else 0)
 
 
+def test_int4_interleaved_rows_through_the_fused_step(checkpoint_factory, monkeypatch):
+    """On AVX2 without AVX-512 VNNI, an int4 model in bf16 whose layers are whole 256-channel steps wide holds its
+    weights as interleaved rows (pack_int4_interleaved); the fused step and the modules agree on them, for 1 and
+    2 rows, and its bytes per step count the scales read beside them."""
+    from leverlab.quant.int4 import is_interleaved
+
+    monkeypatch.setenv("LEVERLAB_STREAM_ROWS", "16")
+    model = load_model(checkpoint_factory("qwen2", hidden_size=256, intermediate_size=512), "bfloat16",
+                       quantization="int4")
+    down = model.model.layers[0].mlp.down_proj
+    assert is_interleaved(down.q4[0]) == cpu_kernels.kernels().has_int4_interleaved()
+    assert down.quant_method.bytes_read(down, 1) == down.q4[0].numel() + down.q4[1].numel() * 2
+    expected, got = both_paths(model, torch.bfloat16, [1, 2, 1])
+    torch.testing.assert_close(got, expected, atol=3e-2 * expected.abs().max().item(), rtol=0)
+
+
 @pytest.mark.parametrize("method", ("int8", "int4"))
 def test_fused_forward_takes_fbgemm_past_the_streaming_rows(checkpoint_factory, method, monkeypatch):
     """Past a layer's streaming rows the fused step calls fbgemm's int8 GEMM from C++, op for op as the module path

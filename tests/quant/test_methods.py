@@ -238,6 +238,50 @@ def test_int4_streaming_kernel_paths_agree(k, g):
                                        dequantize_streaming(packed, ss), k)
 
 
+@pytest.mark.parametrize("k", [256, 768, 1024])
+def test_int4_interleaved_rows_are_the_row_layout_in_another_order(k):
+    """pack_int4_interleaved (each row's groups of 64 interleaved four at a time, for AVX2's kernel) holds the same
+    weight as the row layout: it unpacks to it byte for byte, in Python and in C++; with bf16 activations its
+    kernel (AVX2 without AVX-512 VNNI) gives every row count 1..16 the row layout's results to one bf16 step (the
+    same integer sums, split across other lanes before their scales apply); float32 activations and rows past the
+    streaming kernel take the row layout's paths exactly. Malformed weights get a clear error."""
+    from leverlab.layers import cpu_kernels
+    from leverlab.quant.int4 import (
+        dequantize_streaming,
+        interleaved_to_rows,
+        pack_int4_interleaved,
+        pack_int4_streaming,
+        quantize_int4,
+    )
+
+    kern = cpu_kernels.kernels()
+    if kern is None:
+        pytest.skip("no C++ kernels here")
+    torch.manual_seed(k)
+    q, s, z = quantize_int4(torch.randn(40, k) * 0.05, 64)
+    packed, ss = pack_int4_streaming(q, s, z, 64)
+    il = pack_int4_interleaved(q)
+    assert il.shape == (40, k // 256, 128) and il.numel() == packed.numel()
+    assert torch.equal(interleaved_to_rows(il), packed)
+    assert torch.equal(kern.int4_interleaved_to_rows(il), packed)
+    assert torch.equal(dequantize_streaming(il, ss), dequantize_streaming(packed, ss))
+    # one weight per position: the first channel of each group sits in the low nibble of byte 4 g of the step
+    assert torch.equal(il[:, 0, torch.arange(4) * 4] & 15, q[:, torch.arange(4) * 64].to(torch.uint8))
+    b = torch.randn(40)
+    for m in (1, 2, 3, 4, 5, 8, 16, 17):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        y, ref = kern.int4_linear(x, il, ss, 64, b).float(), kern.int4_linear(x, packed, ss, 64, b).float()
+        if kern.has_int4_interleaved() and m <= 16:
+            assert ((y - ref).abs() <= ref.abs() * 2**-7 + 1e-6).all(), (m, (y - ref).abs().max().item())
+        else:
+            assert torch.equal(y, ref), m
+        assert torch.equal(kern.int4_linear(x.float(), il, ss, 64, b), kern.int4_linear(x.float(), packed, ss, 64, b))
+    with pytest.raises(RuntimeError, match="interleaved rows"):
+        kern.int4_linear(x, il, ss, 32, b)
+    with pytest.raises(RuntimeError, match="interleaved rows"):
+        kern.int4_linear(x[:, :-256].contiguous(), il, ss, 64, b)
+
+
 def _panels_agree_with_rows(linear, panels, rows, k: int, ms, streams: bool) -> torch.Tensor:
     """linear(x, weight) over bf16 rows: with `streams` (AVX-512 VNNI) and up to 16 rows, the panels give the row
     layout's results to one bf16 step and each output row bit for bit what that row alone gives; else (17 rows,
@@ -351,9 +395,11 @@ def test_int8_panels_are_the_row_layout_in_another_order():
 
 def test_quantized_layers_stream_panels_with_avx512_vnni():
     """int8 (activations quantized), int4 and int6 layers whose output rows come in sixteens keep their streaming
-    weight as panels where the kernels stream them (AVX-512 VNNI, bf16/fp16 models), else as rows; weight-only
-    int8 and float32 models keep rows. Their outputs are the dequantized weight's product either way."""
+    weight as panels where the kernels stream them (AVX-512 VNNI, bf16/fp16 models), else as rows (int4 on AVX2,
+    layers whole 256-channel steps wide: interleaved rows); weight-only int8 and float32 models keep rows. Their
+    outputs are the dequantized weight's product either way."""
     from leverlab.layers import cpu_kernels
+    from leverlab.quant.int4 import is_interleaved
 
     kern = cpu_kernels.kernels()
     if kern is None:
@@ -370,7 +416,9 @@ def test_quantized_layers_stream_panels_with_avx512_vnni():
     f32, _, _ = quantized_linear("int4", torch.float32)
     assert f32.q4[0].dim() == 2  # float32 activations never take the panels' integer path: rows
     layer, w, b = quantized_linear("int4", torch.bfloat16)
-    assert layer.q4[0].dim() == (3 if kern.has_fast_int6() and layer.out_features % 16 == 0 else 2)
+    panels = kern.has_fast_int6() and layer.out_features % 16 == 0
+    interleaved = not panels and kern.has_int4_interleaved() and layer.in_features % 256 == 0  # (AVX2, groups of 64)
+    assert layer.q4[0].dim() == (3 if panels or interleaved else 2) and is_interleaved(layer.q4[0]) == interleaved
     w4 = layer.quant_method.dequantize(layer)
     x = torch.randn(3, layer.in_features).to(torch.bfloat16)
     expected = x.float() @ w4.t() + b.to(torch.bfloat16).float()

@@ -16,6 +16,8 @@ int64_t skinny_max_rows();
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias, bool quantize_x);
 int64_t quant_max_rows();
+bool has_int4_interleaved();
+at::Tensor interleaved_to_rows(const at::Tensor& il);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
                        const c10::optional<at::Tensor>& bias);
 at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
@@ -58,7 +60,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("bias"), pybind11::arg("quantize_x") = false,
         "y = (x W^T) * s (+ b) for int8 W [N, K], float32 s [N]; streaming for 1..quant_max_rows() rows; "
         "quantize_x: bf16/fp16 x quantized per 32-block for integer dot products");
-  m.def("int4_linear", &int4_linear, "y = x W^T (+ b) for int4 W (packed [N, K/2] or panels [N/16, K/g, 8g+64], fp16 scales and zero points [N, 2, K/g]); streaming for 1..quant_max_rows() rows");
+  m.def("int4_linear", &int4_linear, "y = x W^T (+ b) for int4 W (packed [N, K/2], panels [N/16, K/g, 8g+64] or interleaved rows [N, K/256, 128], fp16 scales and zero points [N, 2, K/g]); streaming for 1..quant_max_rows() rows");
+  m.def("has_int4_interleaved", &has_int4_interleaved,
+        "whether int4_linear streams interleaved rows (quant/int4.py pack_int4_interleaved): AVX2 without AVX-512 VNNI");
+  m.def("int4_interleaved_to_rows", &interleaved_to_rows,
+        "interleaved rows [N, K/256, 128] (pack_int4_interleaved) in the row layout [N, K/2]");
   m.def("int6_linear", &int6_linear, "y = x W^T (+ b) for int6 W (packed [N, 3K/4]: int4's layout, then the "
         "high 2 bits; fp16 scales and zero points [N, 2, K/g]); streaming for 1..quant_max_rows() rows");
   m.def("has_fast_int6", &has_fast_int6, "whether int6_linear streams bf16/fp16 rows with integer dot products "

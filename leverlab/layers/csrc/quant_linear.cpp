@@ -160,7 +160,10 @@ inline __m256i load_u4_block(const uint8_t* p) {  // 16 bytes -> 32 nibbles in o
 // and the two halves' products add in int16 before one vpmaddwd (|pair sum| <= 2 * 15 * 127, two of them
 // <= 7620: no saturation). Lanes 0..3 of the result sum block b's products, lanes 4..7 block b + 1's.
 inline void load_u4_pair(const uint8_t* p, __m256i& lo, __m256i& hi) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  // One load: GCC otherwise folds the load into the first vpand and loads the bytes again for the shift, and on a
+  // core with two 128-bit load ports a pair's x operands and weights are already three of its ~4.5 cycles.
+  __asm__("" : "+x"(v));
   const __m256i m = _mm256_set1_epi8(0x0F);
   lo = _mm256_and_si256(v, m);
   hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
@@ -214,6 +217,28 @@ void pair_rows(QuantizedRows& x, int64_t M) {
   }
   x.qp = qp;
   x.sp = sp;
+}
+
+// x's M rows in the order of int4's interleaved rows (quant/int4.py: pack_int4_interleaved; groups of 64, K % 256
+// == 0), into QuantizedRows::qp as pair_rows puts the pair order: per 256 channels (four groups) four 64-byte
+// steps k, each the x bytes that meet weight vector k's low nibbles, then its high ones. Byte j of a weight vector
+// holds group (j / 4) % 4's channel 8 k + 4 (j / 16) + j % 4 (low nibble) and 32 more (high); x is placed alike.
+void interleave_rows(QuantizedRows& x, int64_t M) {
+  static thread_local std::vector<int8_t> qbuf;
+  const int64_t K = x.K;
+  int8_t* qp = scratch(qbuf, M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < K; c += 256) {
+      const int8_t* src = x.q + m * K + c;
+      int8_t* dst = qp + m * K + c;
+      for (int k = 0; k < 4; ++k)
+        for (int h = 0; h < 2; ++h)
+          for (int g = 0; g < 4; ++g)
+            for (int plane = 0; plane < 2; ++plane)  // 4 bytes of channels from group g, low then high nibbles
+              std::memcpy(dst + k * 64 + plane * 32 + h * 16 + g * 4, src + g * 64 + plane * 32 + k * 8 + h * 4, 4);
+    }
+  x.qp = qp;
+  x.sp = nullptr;
 }
 
 // `rows` consecutive weight rows' fp16 group scales and zero points (2G each, as [N, 2, G] holds them) -> float
@@ -418,7 +443,13 @@ inline void load_u6_pair(const uint8_t* quad, __m256i& lo, __m256i& hi) {
 // u4_rows<1>: whole int4 decodes 1.24x (paired median of 8, same tokens). Session 33, four pairs at a time against
 // that: the 0.6B shape's int4 body read from memory (112 matrices, alternating in one process, paired median of
 // 12) 1.09x, whole int4 decodes 1.09x (paired median of 8).
-template <int PF, bool SIX>
+//
+// IL: int4's interleaved rows (pack_int4_interleaved, x in interleave_rows' order): each 32-byte vector of a
+// 128-byte step holds 8 bytes of each of the step's four groups, so that a vpmaddubsw's int16 lanes 2i, 2i + 1
+// belong to group i % 4 already and the four vectors' sums just add (<= 4 * 7620 = 30480 a lane, no saturation):
+// three vpaddw where the pair layout takes three vphaddw, which this core runs at ~3 cycles each (a vpaddw:
+// under one). The one vpmaddwd then leaves groups A B C D in each half, as the pair layout's reduction does.
+template <int PF, bool SIX, bool IL = false>
 inline float u4_row_g64x4(const uint8_t* wr, const at::Half* sr, const at::Half* end, int64_t G,
                           const QuantizedRows& x, const float* xsg, const float* gsum, float* mult) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), zacc = _mm256_setzero_ps();
@@ -447,7 +478,9 @@ inline float u4_row_g64x4(const uint8_t* wr, const at::Half* sr, const at::Half*
     const __m256i a = pair16.template operator()<0>(p), b = pair16.template operator()<1>(p + 1);
     const __m256i c = pair16.template operator()<0>(p + 2), d = pair16.template operator()<1>(p + 3);
     __m256i h;
-    if constexpr (SIX)
+    if constexpr (IL)
+      h = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(a, b), _mm256_add_epi16(c, d)), ones);
+    else if constexpr (SIX)
       h = _mm256_hadd_epi32(_mm256_hadd_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(b, ones)),
                             _mm256_hadd_epi32(_mm256_madd_epi16(c, ones), _mm256_madd_epi16(d, ones)));
     else
@@ -849,7 +882,8 @@ inline void u4_tile(const uint8_t* w, int64_t K, const float* s, int64_t ss, int
 // their two sums reduced by the first vphaddw at once, so that the MG rows' partial sums and accumulators fit the
 // sixteen registers. mult: the MG rows' multipliers, row m's G at mult + m ld (zero past G up to a multiple of 4),
 // made by the caller.
-template <int MG>
+// IL: interleaved rows (u4_row_g64x4 says how): the sums add instead of the vphaddw.
+template <int MG, bool IL = false>
 inline void u4_tile_g64(const uint8_t* w, int64_t G, const QuantizedRows& x, int64_t r0, const float* mult,
                         int64_t ld, __m128* out) {
   __m256 acc[1][MG];
@@ -870,15 +904,19 @@ inline void u4_tile_g64(const uint8_t* w, int64_t G, const QuantizedRows& x, int
       load_u4_pair(w + p * 32, alo, ahi);
       load_u4_pair(w + p * 32 + 32, blo, bhi);
 #pragma GCC unroll 4
-      for (int m = 0; m < MG; ++m) ab[m] = _mm256_hadd_epi16(pair16(alo, ahi, m, p), pair16(blo, bhi, m, p + 1));
+      for (int m = 0; m < MG; ++m) {
+        const __m256i a = pair16(alo, ahi, m, p), b = pair16(blo, bhi, m, p + 1);
+        ab[m] = IL ? _mm256_add_epi16(a, b) : _mm256_hadd_epi16(a, b);
+      }
     }
     __m256i clo, chi, dlo, dhi;
     load_u4_pair(w + p * 32 + 64, clo, chi);
     load_u4_pair(w + p * 32 + 96, dlo, dhi);
 #pragma GCC unroll 4
     for (int m = 0; m < MG; ++m) {
-      const __m256i cd = _mm256_hadd_epi16(pair16(clo, chi, m, p + 2), pair16(dlo, dhi, m, p + 3));
-      const __m256i h = _mm256_madd_epi16(_mm256_hadd_epi16(ab[m], cd), ones);
+      const __m256i c = pair16(clo, chi, m, p + 2), d = pair16(dlo, dhi, m, p + 3);
+      const __m256i h = IL ? _mm256_madd_epi16(_mm256_add_epi16(ab[m], _mm256_add_epi16(c, d)), ones)
+                           : _mm256_madd_epi16(_mm256_hadd_epi16(ab[m], _mm256_hadd_epi16(c, d)), ones);
       acc[0][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h),
                                   _mm256_broadcast_ps(reinterpret_cast<const __m128*>(mult + m * ld + p)), acc[0][m]);
     }
@@ -1223,9 +1261,11 @@ void int4_rows_f32(const at::Tensor& x, const uint8_t* w, const at::Half* ss, in
 // The zero point's term s z sum(x) uses the quantized x's block sums, so the result is exactly that of the
 // dequantized weight times the quantized activations. SIX: int6 rows (3K / 4 bytes each; AVX-512 VNNI and
 // K % 128 == 0, which int6_linear checked: the single stream and the quad tiles, for every row count).
+// il: w holds interleaved rows (pack_int4_interleaved: AVX2 without AVX-512, groups of 64, K % 256 == 0, which
+// int4_linear checked), read by the groups-of-64 single stream and tiles.
 template <typename T, bool SIX = false>
 void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int64_t g, const float* bias, T* y,
-                  int64_t N, int64_t K) {
+                  int64_t N, int64_t K, bool il = false) {
   static thread_local std::vector<float> gbuf, sgbuf, xsbuf;  // xsbuf: AVX2's several rows, groups of 64
   const int64_t M = x.size(0), G = K / g, bpg = g / 32;
   // Groups of 64 or more: x quantized per 64 (one rounding of at most half a step of max|x| / 127 over 64
@@ -1258,7 +1298,10 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
     for (int64_t j = 0; j < G16; ++j) sg[j] = j < G ? xq.scale[2 * j] : 0.f;
     xq.sg = sg;
   }
-  if (!wide && !quads) pair_rows(xq, M);
+  if (il)
+    interleave_rows(xq, M);
+  else if (!wide && !quads)
+    pair_rows(xq, M);
 #if !LEVERLAB_QUANT_AVX512
   float* xs64 = nullptr;  // several rows, groups of 64: x's scale per group, [M][G rounded up to 8], zero past G
   if (M > 1 && bpg == 2 && !SIX) {
@@ -1289,7 +1332,7 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
         return;
       }
 #endif
-      if (K <= kFourRowsMaxK && !SIX) {  // short rows: four weight rows at a time
+      if (K <= kFourRowsMaxK && !SIX && !il) {  // short rows: four weight rows at a time
         float out[4];
         for (; n + 4 <= n1; n += 4) {
           u4_rows<4>(w + n * (K / 2), K, ss + n * 2 * G, ss + N * 2 * G, G, gshift, xq, gsum, out);
@@ -1300,9 +1343,13 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
         static thread_local std::vector<float> mbuf;
         float* mult = scratch(mbuf, G16);
         auto rows = [&](auto pf) {
-          for (; n < n1; ++n)
-            emit(n, u4_row_g64x4<decltype(pf)::value, SIX>(w + n * rb, ss + n * 2 * G, ss + N * 2 * G, G, xq,
-                                                              xq.sg, gsum, mult));
+          constexpr int PF = decltype(pf)::value;
+          for (; n < n1; ++n) {
+            const uint8_t* wr = w + n * rb;
+            const at::Half* sr = ss + n * 2 * G;
+            emit(n, il ? u4_row_g64x4<PF, SIX, !SIX>(wr, sr, ss + N * 2 * G, G, xq, xq.sg, gsum, mult)
+                       : u4_row_g64x4<PF, SIX>(wr, sr, ss + N * 2 * G, G, xq, xq.sg, gsum, mult));
+          }
         };
         switch (stream_prefetch_mode(SIX ? kStreamInt6 : kStreamInt4)) {
           case kPrefetchNonTemporal: rows(std::integral_constant<int, kPrefetchNonTemporal>{}); break;
@@ -1351,7 +1398,10 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
                     _mm256_storeu_ps(mm + j, _mm256_mul_ps(_mm256_loadu_ps(sf + j), _mm256_loadu_ps(xsg + j)));
                   for (; j < G8; ++j) mm[j] = j < G ? sf[j] * xsg[j] : 0.f;
                 }
-                u4_tile_g64<MG>(w + n * rb, G, xq, m0, mult, G8, out);
+                if (il)
+                  u4_tile_g64<MG, true>(w + n * rb, G, xq, m0, mult, G8, out);
+                else
+                  u4_tile_g64<MG>(w + n * rb, G, xq, m0, mult, G8, out);
               },
               [&](int i, int64_t m0, int mg, __m128 v) { emit(n, i, m0, mg, v); });
         }
@@ -1801,6 +1851,45 @@ at::Tensor panel_linear(const char* op, const at::Tensor& x, const at::Tensor& p
 
 }  // namespace
 
+// Whether int4_linear streams interleaved rows (pack_int4_interleaved): AVX2 builds without AVX-512 VNNI, whose
+// single stream and tiles read them (AVX-512 VNNI streams panels instead).
+bool has_int4_interleaved() {
+#if LEVERLAB_QUANT_AVX2 && !LEVERLAB_QUANT_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Interleaved rows [N, K / 256, 128] (pack_int4_interleaved) in the row layout [N, K / 2], for the paths that
+// read that (float32 activations, more rows than stream, other CPUs). Within each 128-byte step, byte j of
+// vector k holds group (j / 4) % 4's channels 8 k + 4 (j / 16) + j % 4 (low nibble) and 32 more (high).
+at::Tensor interleaved_to_rows(const at::Tensor& il) {
+  const int64_t N = il.size(0), S = il.size(1), K = 256 * S;
+  auto rows = at::empty({N, K / 2}, at::kByte);
+  const uint8_t* src = il.data_ptr<uint8_t>();
+  uint8_t* dst = rows.data_ptr<uint8_t>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t st = 0; st < S; ++st) {
+        const uint8_t* p = src + (n * S + st) * 128;
+        uint8_t* out = dst + n * (K / 2) + st * 128;  // 256 channels: 8 row-layout blocks of 16 bytes
+        for (int k = 0; k < 4; ++k)
+          for (int j = 0; j < 32; ++j) {
+            const int64_t c = ((j / 4) % 4) * 64 + 8 * k + 4 * (j / 16) + j % 4;  // the low nibble's channel
+            for (int plane = 0; plane < 2; ++plane) {
+              const int64_t ch = c + 32 * plane;
+              const uint8_t q = plane == 0 ? p[k * 32 + j] & 15 : p[k * 32 + j] >> 4;
+              const int64_t blk = ch / 32, i = ch % 32;  // row layout: byte i of a block: weights i, 16 + i
+              uint8_t& o = out[blk * 16 + i % 16];
+              o = i < 16 ? static_cast<uint8_t>((o & 0xF0) | q) : static_cast<uint8_t>((o & 0x0F) | (q << 4));
+            }
+          }
+      }
+  });
+  return rows;
+}
+
 // x [M, K], packed [N, K / 2] uint8 (the layout above), scales [N, 2, K / g] fp16 (row n's group scales, then its
 // zero points) -> [M, N] in x's dtype. Up to quant_max_rows() rows stream; more dequantize the weight and
 // take aten's matmul. float32 activations are used as they are (exact against the dequantized weight); bf16/fp16
@@ -1809,6 +1898,26 @@ at::Tensor panel_linear(const char* op, const at::Tensor& x, const at::Tensor& p
 // panels repeat): bf16/fp16 rows up to quant_max_rows() stream them on AVX-512 VNNI, the rest take the row layout.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
                        const c10::optional<at::Tensor>& bias) {
+  if (packed.dim() == 3 && packed.size(2) == 128) {  // interleaved rows
+    TORCH_CHECK(x.dim() == 2 && group == 64 && x.size(1) == 256 * packed.size(1) && packed.is_contiguous() &&
+                    packed.scalar_type() == at::kByte,
+                "int4_linear: x [M, K], interleaved rows [N, K / 256, 128] uint8, groups of 64");
+    const bool streams = has_int4_interleaved() && x.size(0) <= quant_max_rows() && x.stride(1) == 1 &&
+                         (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf);
+    if (!streams) return int4_linear(x, interleaved_to_rows(packed), scales, group, bias);
+    const int64_t N = packed.size(0), K = x.size(1);
+    check_group_scales("int4_linear", N, K, group, scales);
+    at::Tensor b32;
+    const float* bp = bias_f32(bias, b32);
+    auto y = at::empty({x.size(0), N}, x.options());
+#if LEVERLAB_QUANT_AVX2
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "int4_linear", [&] {
+      int4_rows_q8<scalar_t>(x, packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), group, bp,
+                             y.data_ptr<scalar_t>(), N, K, /*il=*/true);
+    });
+#endif
+    return y;
+  }
   if (packed.dim() == 3)
     return panel_linear<false>("int4_linear", x, packed, scales, group, bias, [&](int64_t N, int64_t K) {
       return int4_linear(x, panels_to_rows(packed, N, K, group), scales, group, bias);
