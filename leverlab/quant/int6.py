@@ -11,7 +11,8 @@ bf16/fp16 activations (quantized per 64, as int4's with groups of 64) up to 16 r
 AVX-512 VNNI loops with a load and four ops more per 128 weights (has_fast_int6; rows in sixteens as panels,
 pack_int6_panels). On AVX2 without those, a single row with groups of 64 takes the int4 kernel's AVX2 single
 stream with the high bits merged in (has_int6_stream; several rows run it once per row, so the loader's timing
-gives them the int8 copy below). Elsewhere, and for float32 activations, a plain loop that is exact against the
+gives them the int8 copy below), over interleaved rows where the width is whole 256-channel steps
+(pack_int6_interleaved, as int4's). Elsewhere, and for float32 activations, a plain loop that is exact against the
 dequantized weight. More rows take fbgemm's int8 GEMM over an int8 copy, as int4 does (int8_gemm.py). No GPU
 kernel: on other devices the weight is held dequantized (unmeasured).
 """
@@ -71,6 +72,48 @@ def pack_int6_panels(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     return torch.cat([weights, nib[:, :, 8 * g :]], dim=2).contiguous()
 
 
+def _interleaved_lanes(t: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [out, in / 256, 4, 32, 2]: per 256 channels, pack_int4_interleaved's vector v, byte j, nibble
+    (low, high) of each channel's value."""
+    out, k = t.shape
+    v = t.reshape(out, k // 256, 4, 2, 4, 2, 4).permute(0, 1, 4, 5, 2, 6, 3)  # [out, s, v, h, g, t, nibble]
+    return v.reshape(out, k // 256, 4, 32, 2)
+
+
+def pack_int6_interleaved(q: torch.Tensor) -> torch.Tensor:
+    """The AVX2 kernel's layout for groups of 64, as int4's (pack_int4_interleaved): [out, in / 256, 192] uint8.
+    Per 256 channels two 96-byte units, each two of int4's interleaved vectors of low nibbles (2u, 2u + 1), then
+    32 bytes of their high 2 bits: byte t holds those of vector 2u's low and high nibble at t (bits 0-1, 4-5) and
+    of vector 2u + 1's (bits 2-3, 6-7), the plane order of pack_int6_streaming's quads, so that the kernel
+    unpacks a unit as it unpacks a quad. in % 256 == 0."""
+    from leverlab.quant.int4 import pack_int4_interleaved
+
+    out, k = q.shape
+    q = q.to(torch.uint8)
+    vec = pack_int4_interleaved(q & 15).reshape(out, k // 256, 2, 64)
+    h = _interleaved_lanes(q >> 4)  # [out, s, v, j, nibble]
+    lo, hi = h[..., 0].reshape(out, k // 256, 2, 2, 32), h[..., 1].reshape(out, k // 256, 2, 2, 32)  # [.., u, v % 2, j]
+    plane = lo[:, :, :, 0] | (lo[:, :, :, 1] << 2) | (hi[:, :, :, 0] << 4) | (hi[:, :, :, 1] << 6)
+    return torch.cat([vec, plane], dim=3).reshape(out, k // 256, 192).contiguous()
+
+
+def int6_interleaved_to_q(il: torch.Tensor) -> torch.Tensor:
+    """q uint8 [out, in] from pack_int6_interleaved's bytes."""
+    out, steps, _ = il.shape
+    units = il.reshape(out, steps, 2, 96)
+    vec, plane = units[..., :64].reshape(out, steps, 2, 2, 32), units[..., 64:]  # [.., u, v % 2, j], [.., u, j]
+    f = [(plane >> s) & 3 for s in (0, 2, 4, 6)]  # vector 2u low, 2u + 1 low, 2u high, 2u + 1 high
+    low = torch.stack([vec & 15, vec >> 4], dim=-1)  # [.., u, v % 2, j, nibble]
+    high = torch.stack([torch.stack([f[0], f[2]], dim=-1), torch.stack([f[1], f[3]], dim=-1)], dim=3)
+    lanes = (low | (high << 4)).reshape(out, steps, 4, 2, 4, 4, 2)  # [out, s, v, h, g, t, nibble]
+    return lanes.permute(0, 1, 4, 6, 2, 3, 5).reshape(out, steps * 256)
+
+
+def is_interleaved(packed: torch.Tensor) -> bool:
+    """Whether an int6 streaming weight is pack_int6_interleaved's (3-D, 192 bytes a step) rather than panels."""
+    return packed.dim() == 3 and packed.shape[2] == 192
+
+
 def int6_panels_to_q(panels: torch.Tensor, group_size: int) -> torch.Tensor:
     """q uint8 [out, in] from pack_int6_panels' bytes."""
     npan, ng, _ = panels.shape
@@ -85,7 +128,10 @@ def int6_panels_to_q(panels: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def unpack_int6_streaming(packed: torch.Tensor) -> torch.Tensor:
-    """q uint8 [out, in] from pack_int6_streaming's rows (or pack_int6_panels' panels)."""
+    """q uint8 [out, in] from pack_int6_streaming's rows (or pack_int6_panels' panels, or
+    pack_int6_interleaved's rows)."""
+    if is_interleaved(packed):
+        return int6_interleaved_to_q(packed)
     if packed.dim() == 3:
         return int6_panels_to_q(packed, (packed.shape[2] - 64) // 12)
     out, k = packed.shape[0], packed.shape[1] * 4 // 3
@@ -101,7 +147,7 @@ def unpack_int6_streaming(packed: torch.Tensor) -> torch.Tensor:
 
 def dequantize_int6_streaming(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The float32 [out, in] weight that pack_int6_streaming's (packed, scales) encode: (q - z) * s. packed may be
-    panels (pack_int6_panels)."""
+    panels (pack_int6_panels) or interleaved rows (pack_int6_interleaved)."""
     q = unpack_int6_streaming(packed).float()
     out, ng = scales.shape[0], scales.shape[2]
     s = scales.float()
@@ -142,6 +188,9 @@ class Int6Method(QuantMethod):
         if (kern is not None and kern.has_fast_int6() and layer.out_features % 16 == 0
                 and layer.params_dtype in (torch.bfloat16, torch.float16)):  # panels of 16 rows, as int4's
             layer.q6 = (pack_int6_panels(q, s, z, self.group_size), ss)
+        elif (kern is not None and kern.has_int4_interleaved() and self.group_size == 64
+              and layer.in_features % 256 == 0 and layer.params_dtype in (torch.bfloat16, torch.float16)):
+            layer.q6 = (pack_int6_interleaved(q), ss)  # AVX2: groups interleaved four at a time, as int4's
         layer.int8_key = None
         layer.dense = None
         if use_int8_gemm(layer, layer.params_dtype, dev):  # the batched rows' copy (Int4Method's docstring)
@@ -175,7 +224,8 @@ class Int6Method(QuantMethod):
 
     def bytes_read(self, layer, rows: int) -> int:
         bias = layer.bias.numel() * layer.bias.element_size() if layer.bias is not None else 0
-        streamed = layer.q6[0].numel() + (0 if layer.q6[0].dim() == 3 else layer.q6[1].numel() * 2) \
+        panels = layer.q6 is not None and layer.q6[0].dim() == 3 and not is_interleaved(layer.q6[0])
+        streamed = layer.q6[0].numel() + (0 if panels else layer.q6[1].numel() * 2) \
             if layer.q6 is not None else 0  # (panels carry their scales)
         if layer.q6 is not None and rows <= getattr(layer, "stream_rows", STREAMING_MAX_ROWS):
             return streamed + bias

@@ -133,8 +133,8 @@ def test_fused_forward_matches_modules_quantized(checkpoint_factory, method, dty
 
 def test_int4_interleaved_rows_through_the_fused_step(checkpoint_factory, monkeypatch):
     """On AVX2 without AVX-512 VNNI, an int4 model in bf16 whose layers are whole 256-channel steps wide holds its
-    weights as interleaved rows (pack_int4_interleaved); the fused step and the modules agree on them, for 1 and
-    2 rows, and its bytes per step count the scales read beside them."""
+    weights as interleaved rows (pack_int4_interleaved, its int6 head pack_int6_interleaved); the fused step and the
+    modules agree on them, for 1 and 2 rows, and its bytes per step count the scales read beside them."""
     from leverlab.quant.int4 import is_interleaved
 
     monkeypatch.setenv("LEVERLAB_STREAM_ROWS", "16")
@@ -143,6 +143,9 @@ def test_int4_interleaved_rows_through_the_fused_step(checkpoint_factory, monkey
     down = model.model.layers[0].mlp.down_proj
     assert is_interleaved(down.q4[0]) == cpu_kernels.kernels().has_int4_interleaved()
     assert down.quant_method.bytes_read(down, 1) == down.q4[0].numel() + down.q4[1].numel() * 2
+    head = model.lm_head  # int6 where its kernel streams (the default for int4 in bf16): interleaved alike
+    if head.quant_method.name == "int6":
+        assert (head.q6[0].dim() == 3 and head.q6[0].shape[2] == 192) == cpu_kernels.kernels().has_int4_interleaved()
     expected, got = both_paths(model, torch.bfloat16, [1, 2, 1])
     torch.testing.assert_close(got, expected, atol=3e-2 * expected.abs().max().item(), rtol=0)
 

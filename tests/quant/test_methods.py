@@ -412,7 +412,7 @@ def test_quantized_layers_stream_panels_with_avx512_vnni():
     layer8.stream_rows = 16
     assert ((layer8(x).float() - expected).abs() <= 3e-2 * expected.abs().amax(1, keepdim=True)).all()
     layer6, _, _ = quantized_linear("int6", torch.bfloat16)
-    assert layer6.q6[0].dim() == (3 if kern.has_fast_int6() else 2)
+    assert layer6.q6[0].dim() == (3 if kern.has_fast_int6() or kern.has_int4_interleaved() else 2)
     f32, _, _ = quantized_linear("int4", torch.float32)
     assert f32.q4[0].dim() == 2  # float32 activations never take the panels' integer path: rows
     layer, w, b = quantized_linear("int4", torch.bfloat16)
@@ -443,6 +443,44 @@ def test_int6_streaming_kernel_paths_agree(k, g):
     x = torch.randn(20, k)
     for m in (1, 3, 16, 20):  # float32: exact against the dequantized weight; 20 rows: past the streaming rows
         torch.testing.assert_close(kern.int6_linear(x[:m], packed, ss, g, None), x[:m] @ w.t(), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [256, 768])
+def test_int6_interleaved_rows_are_the_row_layout_in_another_order(k):
+    """pack_int6_interleaved (int4's interleaved vectors, each pair with its plane of high bits) holds the same
+    weight as the row layout: the same q back in Python and, through its own conversion, the same results in C++
+    for float32 activations and rows past the streaming kernel, exactly; with bf16 activations its AVX2 single
+    stream gives the row layout's results to one bf16 step. Malformed weights get a clear error."""
+    from leverlab.layers import cpu_kernels
+    from leverlab.quant.int6 import (
+        dequantize_int6_streaming,
+        int6_interleaved_to_q,
+        pack_int6_interleaved,
+        pack_int6_streaming,
+        quantize_int6,
+    )
+
+    kern = cpu_kernels.kernels()
+    if kern is None:
+        pytest.skip("no C++ kernels here")
+    torch.manual_seed(k)
+    q, s, z = quantize_int6(torch.randn(40, k) * 0.05, 64)
+    rows, ss = pack_int6_streaming(q, s, z, 64)
+    il = pack_int6_interleaved(q)
+    assert il.shape == (40, k // 256, 192) and il.numel() == rows.numel()
+    assert torch.equal(int6_interleaved_to_q(il), q.to(torch.uint8))
+    assert torch.equal(dequantize_int6_streaming(il, ss), dequantize_int6_streaming(rows, ss))
+    b = torch.randn(40)
+    for m in (1, 2, 3, 16, 17):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        y, ref = kern.int6_linear(x, il, ss, 64, b).float(), kern.int6_linear(x, rows, ss, 64, b).float()
+        if kern.has_int4_interleaved() and m <= 16:
+            assert ((y - ref).abs() <= ref.abs() * 2**-7 + 1e-6).all(), (m, (y - ref).abs().max().item())
+        else:
+            assert torch.equal(y, ref), m
+        assert torch.equal(kern.int6_linear(x.float(), il, ss, 64, b), kern.int6_linear(x.float(), rows, ss, 64, b))
+    with pytest.raises(RuntimeError, match="interleaved rows"):
+        kern.int6_linear(x, il, ss, 128, b)
 
 
 def test_int4_models_head_is_int6_where_it_streams_fast(monkeypatch):

@@ -449,6 +449,10 @@ inline void load_u6_pair(const uint8_t* quad, __m256i& lo, __m256i& hi) {
 // belong to group i % 4 already and the four vectors' sums just add (<= 4 * 7620 = 30480 a lane, no saturation):
 // three vpaddw where the pair layout takes three vphaddw, which this core runs at ~3 cycles each (a vpaddw:
 // under one). The one vpmaddwd then leaves groups A B C D in each half, as the pair layout's reduction does.
+// int6 (pack_int6_interleaved: two of those vectors and their plane of high bits per 96 bytes, as a quad) widens
+// each vector's sums with its vpmaddwd, then adds them: three vpaddd for three vphaddd. Measured on this Zen 1
+// (alternating in one process, paired medians): the 0.6B shape's int4 body 1.07-1.11x, its int6 head
+// (151936 x 1024) 1.05-1.075x at two threads.
 template <int PF, bool SIX, bool IL = false>
 inline float u4_row_g64x4(const uint8_t* wr, const at::Half* sr, const at::Half* end, int64_t G,
                           const QuantizedRows& x, const float* xsg, const float* gsum, float* mult) {
@@ -478,7 +482,10 @@ inline float u4_row_g64x4(const uint8_t* wr, const at::Half* sr, const at::Half*
     const __m256i a = pair16.template operator()<0>(p), b = pair16.template operator()<1>(p + 1);
     const __m256i c = pair16.template operator()<0>(p + 2), d = pair16.template operator()<1>(p + 3);
     __m256i h;
-    if constexpr (IL)
+    if constexpr (IL && SIX)  // int6: the pairs' sums leave no room in int16, so each widens, then they add
+      h = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(b, ones)),
+                           _mm256_add_epi32(_mm256_madd_epi16(c, ones), _mm256_madd_epi16(d, ones)));
+    else if constexpr (IL)
       h = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(a, b), _mm256_add_epi16(c, d)), ones);
     else if constexpr (SIX)
       h = _mm256_hadd_epi32(_mm256_hadd_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(b, ones)),
@@ -1347,7 +1354,7 @@ void int4_rows_q8(const at::Tensor& x, const uint8_t* w, const at::Half* ss, int
           for (; n < n1; ++n) {
             const uint8_t* wr = w + n * rb;
             const at::Half* sr = ss + n * 2 * G;
-            emit(n, il ? u4_row_g64x4<PF, SIX, !SIX>(wr, sr, ss + N * 2 * G, G, xq, xq.sg, gsum, mult)
+            emit(n, il ? u4_row_g64x4<PF, SIX, true>(wr, sr, ss + N * 2 * G, G, xq, xq.sg, gsum, mult)
                        : u4_row_g64x4<PF, SIX>(wr, sr, ss + N * 2 * G, G, xq, xq.sg, gsum, mult));
           }
         };
@@ -1739,6 +1746,35 @@ at::Tensor int6_panels_to_rows(const at::Tensor& panels, int64_t N, int64_t K, i
   return rows;
 }
 
+// int6 interleaved rows (pack_int6_interleaved: [N, K / 256, 192]) back to int6 rows, as int6_panels_to_rows.
+// Per 256 channels, two 96-byte units: int4's interleaved vectors 2u and 2u + 1 (interleaved_to_rows says which
+// channel each byte's nibbles hold), then their high 2 bits, byte t holding those of vector 2u's low and high
+// nibbles at t in bits 0-1 and 4-5, vector 2u + 1's in bits 2-3 and 6-7 (load_u6_pair's order).
+at::Tensor int6_interleaved_to_rows(const at::Tensor& il, int64_t N, int64_t K) {
+  auto rows = at::zeros({N, 3 * K / 4}, at::kByte);
+  const uint8_t* src = il.data_ptr<uint8_t>();
+  uint8_t* dst = rows.data_ptr<uint8_t>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      uint8_t* out = dst + n * (3 * K / 4);
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t c = k % 256, grp = c / 64, r = c % 64, nib = r / 32, v = (r % 32) / 8;
+        const int64_t j = 16 * ((r % 8) / 4) + 4 * grp + r % 4;  // the byte in vector v
+        const uint8_t* unit = src + (n * (K / 256) + k / 256) * 192 + (v / 2) * 96;
+        const uint8_t byte = unit[(v % 2) * 32 + j];
+        const int field = 4 * static_cast<int>(nib) + 2 * static_cast<int>(v % 2);
+        const int q = (nib == 0 ? byte & 15 : byte >> 4) | (((unit[64 + j] >> field) & 3) << 4);
+        // u6_at's position of weight k in the row layout
+        const int64_t i = k % 32, lane = 16 * ((k % 128) / 32) + i % 16;
+        uint8_t* quad = out + (k / 128) * 96;
+        quad[((k % 128) / 32) * 16 + i % 16] |= static_cast<uint8_t>(i < 16 ? q & 15 : (q & 15) << 4);
+        quad[64 + lane % 32] |= static_cast<uint8_t>((q >> 4) << ((i < 16 ? 0 : 4) + (lane < 32 ? 0 : 2)));
+      }
+    }
+  });
+  return rows;
+}
+
 // int8 panels back to rows ([N, K] int8), for the paths that read rows (float32 or weight-only activations, more
 // rows than stream, CPUs without AVX-512 VNNI).
 at::Tensor int8_panels_to_rows(const at::Tensor& panels, int64_t N, int64_t K) {
@@ -2031,6 +2067,27 @@ bool has_int6_stream() {
 // packed may also be panels [N / 16, K / g, 12 g + 64] (pack_int6_panels), streamed as int4's panels are.
 at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
                        const c10::optional<at::Tensor>& bias) {
+  if (packed.dim() == 3 && packed.size(2) == 192) {  // interleaved rows (pack_int6_interleaved)
+    TORCH_CHECK(x.dim() == 2 && group == 64 && x.size(1) == 256 * packed.size(1) && packed.is_contiguous() &&
+                    packed.scalar_type() == at::kByte,
+                "int6_linear: x [M, K], interleaved rows [N, K / 256, 192] uint8, groups of 64");
+    const int64_t M = x.size(0), N = packed.size(0), K = x.size(1);
+    const bool streams = has_int4_interleaved() && M <= quant_max_rows() && x.stride(1) == 1 &&
+                         (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf);
+    if (!streams) return int6_linear(x, int6_interleaved_to_rows(packed, N, K), scales, group, bias);
+    check_group_scales("int6_linear", N, K, group, scales);
+    at::Tensor b32;
+    const float* bp = bias_f32(bias, b32);
+    auto y = at::empty({M, N}, x.options());
+#if LEVERLAB_QUANT_AVX2
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "int6_linear", [&] {
+      for (int64_t m = 0; m < M; ++m)  // row by row, as the row layout's AVX2 path
+        int4_rows_q8<scalar_t, true>(x.narrow(0, m, 1), packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
+                                     group, bp, y.data_ptr<scalar_t>() + m * N, N, K, /*il=*/true);
+    });
+#endif
+    return y;
+  }
   if (packed.dim() == 3)
     return panel_linear<true>("int6_linear", x, packed, scales, group, bias, [&](int64_t N, int64_t K) {
       return int6_linear(x, int6_panels_to_rows(packed, N, K, group), scales, group, bias);
