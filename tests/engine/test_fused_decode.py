@@ -134,7 +134,8 @@ def test_fused_forward_matches_modules_quantized(checkpoint_factory, method, dty
 def test_int4_interleaved_rows_through_the_fused_step(checkpoint_factory, monkeypatch):
     """On AVX2 without AVX-512 VNNI, an int4 model in bf16 whose layers are whole 256-channel steps wide holds its
     weights as interleaved rows (pack_int4_interleaved, its int6 head pack_int6_interleaved); the fused step and the
-    modules agree on them, for 1 and 2 rows, and its bytes per step count the scales read beside them."""
+    modules agree on them, for 1 and 2 rows, and the bytes a step reads (the layers' and the fused step's own
+    count, scripts/profile_step.py's) take in the scales read beside them."""
     from leverlab.quant.int4 import is_interleaved
 
     monkeypatch.setenv("LEVERLAB_STREAM_ROWS", "16")
@@ -148,6 +149,11 @@ def test_int4_interleaved_rows_through_the_fused_step(checkpoint_factory, monkey
         assert (head.q6[0].dim() == 3 and head.q6[0].shape[2] == 192) == cpu_kernels.kernels().has_int4_interleaved()
     expected, got = both_paths(model, torch.bfloat16, [1, 2, 1])
     torch.testing.assert_close(got, expected, atol=3e-2 * expected.abs().max().item(), rtol=0)
+    dec = fused.fused_decoder(model, [torch.zeros(1)] * model.config.num_layers, "auto", 1).dec
+    layers = model.model.layers
+    read = {"down": sum(x.mlp.down_proj.quant_method.bytes_read(x.mlp.down_proj, 1) for x in layers),
+            "head": head.quant_method.bytes_read(head, 1)}
+    assert {k: v for k, v in dec.phase_bytes() if k in read} == read
 
 
 @pytest.mark.parametrize("method", ("int8", "int4"))

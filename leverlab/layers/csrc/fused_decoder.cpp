@@ -378,8 +378,10 @@ class FusedDecoder {
   // The bytes of weights (and their scales) each linear phase reads per step: {phase: bytes}, the layers summed.
   std::vector<std::pair<std::string, double>> phase_bytes() const {
     auto bytes = [](const Lin& l) {  // int4/int6 panels carry their scales: the scale tensor is not read
-      // (panels are 3-D, as are int4's interleaved rows, [N, K / 256, 128], which read their scales beside)
-      const bool panels = (l.kind == 2 || l.kind == 4) && l.w.defined() && l.w.dim() == 3 && l.w.size(2) != 128;
+      // (panels are 3-D, as are the interleaved rows, int4's [N, K / 256, 128] and int6's [.., 192], which read
+      // their scales beside)
+      const bool il = l.w.defined() && l.w.dim() == 3 && l.w.size(2) == (l.kind == 2 ? 128 : 192);
+      const bool panels = (l.kind == 2 || l.kind == 4) && l.w.defined() && l.w.dim() == 3 && !il;
       double b = 0;
       for (const at::Tensor* t : {&l.w, &l.scale, &l.bias})
         if (t->defined() && !(panels && t == &l.scale)) b += static_cast<double>(t->nbytes());
