@@ -242,9 +242,9 @@ def test_int4_streaming_kernel_paths_agree(k, g):
 def test_int4_interleaved_rows_are_the_row_layout_in_another_order(k):
     """pack_int4_interleaved (each row's groups of 64 interleaved four at a time, for AVX2's kernel) holds the same
     weight as the row layout: it unpacks to it byte for byte, in Python and in C++; with bf16 activations its
-    kernel (AVX2 without AVX-512 VNNI) gives every row count 1..16 the row layout's results to one bf16 step (the
-    same integer sums, split across other lanes before their scales apply); float32 activations and rows past the
-    streaming kernel take the row layout's paths exactly. Malformed weights get a clear error."""
+    kernel (AVX2 without AVX-512 VNNI) gives every row count 1..16 the row layout's results to one bf16 step;
+    float32 activations and rows past the streaming kernel take the row layout's paths exactly
+    (_interleaved_agree_with_rows). Malformed weights get a clear error."""
     from leverlab.layers import cpu_kernels
     from leverlab.quant.int4 import (
         dequantize_streaming,
@@ -268,18 +268,28 @@ def test_int4_interleaved_rows_are_the_row_layout_in_another_order(k):
     # one weight per position: the first channel of each group sits in the low nibble of byte 4 g of the step
     assert torch.equal(il[:, 0, torch.arange(4) * 4] & 15, q[:, torch.arange(4) * 64].to(torch.uint8))
     b = torch.randn(40)
-    for m in (1, 2, 3, 4, 5, 8, 16, 17):
-        x = torch.randn(m, k).to(torch.bfloat16)
-        y, ref = kern.int4_linear(x, il, ss, 64, b).float(), kern.int4_linear(x, packed, ss, 64, b).float()
-        if kern.has_int4_interleaved() and m <= 16:
-            assert ((y - ref).abs() <= ref.abs() * 2**-7 + 1e-6).all(), (m, (y - ref).abs().max().item())
-        else:
-            assert torch.equal(y, ref), m
-        assert torch.equal(kern.int4_linear(x.float(), il, ss, 64, b), kern.int4_linear(x.float(), packed, ss, 64, b))
+    x = _interleaved_agree_with_rows(lambda x, w: kern.int4_linear(x, w, ss, 64, b), il, packed, k,
+                                     (1, 2, 3, 4, 5, 8, 16, 17), kern.has_int4_interleaved())
     with pytest.raises(RuntimeError, match="interleaved rows"):
         kern.int4_linear(x, il, ss, 32, b)
     with pytest.raises(RuntimeError, match="interleaved rows"):
         kern.int4_linear(x[:, :-256].contiguous(), il, ss, 64, b)
+
+
+def _interleaved_agree_with_rows(linear, il, rows, k: int, ms, streams: bool) -> torch.Tensor:
+    """linear(x, weight) over bf16 rows: with `streams` (AVX2 without AVX-512 VNNI) and up to 16 rows, the
+    interleaved rows give the row layout's results to one bf16 step (the same integer sums, split across other
+    lanes before their scales apply); else (17 rows, other CPUs) the row layout's exactly; float32 rows the row
+    layout's exactly. Returns the last x."""
+    for m in ms:
+        x = torch.randn(m, k).to(torch.bfloat16)
+        y, ref = linear(x, il).float(), linear(x, rows).float()
+        if streams and m <= 16:
+            assert ((y - ref).abs() <= ref.abs() * 2**-7 + 1e-6).all(), (m, (y - ref).abs().max().item())
+        else:
+            assert torch.equal(y, ref), m
+        assert torch.equal(linear(x.float(), il), linear(x.float(), rows))
+    return x
 
 
 def _panels_agree_with_rows(linear, panels, rows, k: int, ms, streams: bool) -> torch.Tensor:
@@ -471,14 +481,8 @@ def test_int6_interleaved_rows_are_the_row_layout_in_another_order(k):
     assert torch.equal(int6_interleaved_to_q(il), q.to(torch.uint8))
     assert torch.equal(dequantize_int6_streaming(il, ss), dequantize_int6_streaming(rows, ss))
     b = torch.randn(40)
-    for m in (1, 2, 3, 16, 17):
-        x = torch.randn(m, k).to(torch.bfloat16)
-        y, ref = kern.int6_linear(x, il, ss, 64, b).float(), kern.int6_linear(x, rows, ss, 64, b).float()
-        if kern.has_int4_interleaved() and m <= 16:
-            assert ((y - ref).abs() <= ref.abs() * 2**-7 + 1e-6).all(), (m, (y - ref).abs().max().item())
-        else:
-            assert torch.equal(y, ref), m
-        assert torch.equal(kern.int6_linear(x.float(), il, ss, 64, b), kern.int6_linear(x.float(), rows, ss, 64, b))
+    x = _interleaved_agree_with_rows(lambda x, w: kern.int6_linear(x, w, ss, 64, b), il, rows, k,
+                                     (1, 2, 3, 16, 17), kern.has_int4_interleaved())
     with pytest.raises(RuntimeError, match="interleaved rows"):
         kern.int6_linear(x, il, ss, 128, b)
 
