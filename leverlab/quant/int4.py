@@ -89,27 +89,39 @@ def panels_to_rows(panels: torch.Tensor, group_size: int) -> torch.Tensor:
     return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(npan * 16, -1).contiguous()
 
 
+def interleaved_lanes(t: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [out, in / 256, 4, 32, 2]: where pack_int4_interleaved puts each channel, per 256 channels
+    vector v, byte j, nibble (low, high). Channel 256 s + 64 g + 32 nibble + 8 v + 4 h + t sits at byte
+    j = 16 h + 4 g + t of vector v. in % 256 == 0."""
+    out, k = t.shape
+    v = t.reshape(out, k // 256, 4, 2, 4, 2, 4).permute(0, 1, 4, 5, 2, 6, 3)  # [out, s, v, h, g, t, nibble]
+    return v.reshape(out, k // 256, 4, 32, 2)
+
+
+def lanes_to_channels(lanes: torch.Tensor) -> torch.Tensor:
+    """interleaved_lanes' inverse: [out, steps, 4, 32, 2] -> [out, 256 steps]."""
+    out, steps = lanes.shape[:2]
+    v = lanes.reshape(out, steps, 4, 2, 4, 4, 2)  # [out, s, v, h, g, t, nibble]
+    return v.permute(0, 1, 4, 6, 2, 3, 5).reshape(out, steps * 256)
+
+
 def pack_int4_interleaved(q: torch.Tensor) -> torch.Tensor:
     """The AVX2 kernel's layout for groups of 64 (csrc/quant_linear.cpp, u4_row_g64x4's IL): [out, in / 256, 128]
     uint8, the row layout's bytes in another order, so that a row stays one stream and its scales stay beside
     ([out, 2, in / 64], as pack_int4_streaming's). Per 256 input channels (four groups), four 32-byte vectors:
     byte j of vector k holds group (j // 4) % 4's channel 8 k + 4 (j // 16) + j % 4 in its low nibble and that
-    channel + 32 in its high one, so that an integer dot product's lanes are already per group and the four
-    groups' sums add with no horizontal step. in % 256 == 0."""
-    out, k = q.shape
-    # channel = 256 s + 64 g + 32 plane + 8 v + 4 h + t  ->  byte 128 s + 32 v + 16 h + 4 g + t, nibble plane
-    v = q.to(torch.uint8).reshape(out, k // 256, 4, 2, 4, 2, 4)  # [out, s, g, plane, v, h, t]
-    v = v.permute(0, 1, 4, 5, 2, 6, 3)  # [out, s, v, h, g, t, plane]
-    return (v[..., 0] | (v[..., 1] << 4)).reshape(out, k // 256, 128).contiguous()
+    channel + 32 in its high one (interleaved_lanes), so that an integer dot product's lanes are already per group
+    and the four groups' sums add with no horizontal step. in % 256 == 0."""
+    lanes = interleaved_lanes(q.to(torch.uint8))
+    return (lanes[..., 0] | (lanes[..., 1] << 4)).reshape(q.shape[0], -1, 128).contiguous()
 
 
 def interleaved_to_rows(il: torch.Tensor) -> torch.Tensor:
     """pack_int4_interleaved's weights in pack_int4_streaming's row layout ([out, in / 2] uint8)."""
-    out, steps, _ = il.shape
-    b = il.reshape(out, steps, 4, 2, 4, 4)  # [out, s, v, h, g, t]
-    q = torch.stack([b & 15, b >> 4], dim=-1).permute(0, 1, 4, 6, 2, 3, 5).reshape(out, steps * 256)
-    blocks = q.reshape(out, -1, 2, 16)
-    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out, -1).contiguous()
+    b = il.reshape(il.shape[0], il.shape[1], 4, 32)
+    q = lanes_to_channels(torch.stack([b & 15, b >> 4], dim=-1))
+    blocks = q.reshape(q.shape[0], -1, 2, 16)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(q.shape[0], -1).contiguous()
 
 
 def is_interleaved(packed: torch.Tensor) -> bool:

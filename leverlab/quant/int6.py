@@ -24,7 +24,15 @@ import torch
 from leverlab.errors import UnsupportedLever
 from leverlab.quant import int8_gemm
 from leverlab.quant.base import QuantMethod, flatten, set_param
-from leverlab.quant.int4 import INT4_GROUP_SIZES, pack_int4_panels, pack_int4_streaming, quantize_groups
+from leverlab.quant.int4 import (
+    INT4_GROUP_SIZES,
+    interleaved_lanes,
+    lanes_to_channels,
+    pack_int4_interleaved,
+    pack_int4_panels,
+    pack_int4_streaming,
+    quantize_groups,
+)
 from leverlab.quant.int8 import STREAMING_MAX_ROWS, quantize_int8, streaming_kernels, use_int8_gemm
 
 QUAD = 128  # weights per quad: the kernel's step, and the high-bit plane's unit (32 bytes)
@@ -72,26 +80,16 @@ def pack_int6_panels(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     return torch.cat([weights, nib[:, :, 8 * g :]], dim=2).contiguous()
 
 
-def _interleaved_lanes(t: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> [out, in / 256, 4, 32, 2]: per 256 channels, pack_int4_interleaved's vector v, byte j, nibble
-    (low, high) of each channel's value."""
-    out, k = t.shape
-    v = t.reshape(out, k // 256, 4, 2, 4, 2, 4).permute(0, 1, 4, 5, 2, 6, 3)  # [out, s, v, h, g, t, nibble]
-    return v.reshape(out, k // 256, 4, 32, 2)
-
-
 def pack_int6_interleaved(q: torch.Tensor) -> torch.Tensor:
     """The AVX2 kernel's layout for groups of 64, as int4's (pack_int4_interleaved): [out, in / 256, 192] uint8.
     Per 256 channels two 96-byte units, each two of int4's interleaved vectors of low nibbles (2u, 2u + 1), then
     32 bytes of their high 2 bits: byte t holds those of vector 2u's low and high nibble at t (bits 0-1, 4-5) and
     of vector 2u + 1's (bits 2-3, 6-7), the plane order of pack_int6_streaming's quads, so that the kernel
     unpacks a unit as it unpacks a quad. in % 256 == 0."""
-    from leverlab.quant.int4 import pack_int4_interleaved
-
     out, k = q.shape
     q = q.to(torch.uint8)
     vec = pack_int4_interleaved(q & 15).reshape(out, k // 256, 2, 64)
-    h = _interleaved_lanes(q >> 4)  # [out, s, v, j, nibble]
+    h = interleaved_lanes(q >> 4)  # [out, s, v, j, nibble]
     lo, hi = h[..., 0].reshape(out, k // 256, 2, 2, 32), h[..., 1].reshape(out, k // 256, 2, 2, 32)  # [.., u, v % 2, j]
     plane = lo[:, :, :, 0] | (lo[:, :, :, 1] << 2) | (hi[:, :, :, 0] << 4) | (hi[:, :, :, 1] << 6)
     return torch.cat([vec, plane], dim=3).reshape(out, k // 256, 192).contiguous()
@@ -105,8 +103,7 @@ def int6_interleaved_to_q(il: torch.Tensor) -> torch.Tensor:
     f = [(plane >> s) & 3 for s in (0, 2, 4, 6)]  # vector 2u low, 2u + 1 low, 2u high, 2u + 1 high
     low = torch.stack([vec & 15, vec >> 4], dim=-1)  # [.., u, v % 2, j, nibble]
     high = torch.stack([torch.stack([f[0], f[2]], dim=-1), torch.stack([f[1], f[3]], dim=-1)], dim=3)
-    lanes = (low | (high << 4)).reshape(out, steps, 4, 2, 4, 4, 2)  # [out, s, v, h, g, t, nibble]
-    return lanes.permute(0, 1, 4, 6, 2, 3, 5).reshape(out, steps * 256)
+    return lanes_to_channels((low | (high << 4)).reshape(out, steps, 4, 32, 2))
 
 
 def is_interleaved(packed: torch.Tensor) -> bool:
