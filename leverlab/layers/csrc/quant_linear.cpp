@@ -1619,6 +1619,33 @@ void int4_panels_q8(const at::Tensor& x, const uint8_t* w, int64_t g, const floa
 }
 #endif
 
+// Weight k (q in 0..15) into an int4 row of the row layout (pack_int4_streaming: byte i of a 32-weight block holds
+// weights i, low nibble, and 16 + i, high), leaving the byte's other nibble as it is.
+inline void put_u4(uint8_t* row, int64_t k, uint8_t q) {
+  const int64_t i = k % 32;
+  uint8_t& o = row[(k / 32) * 16 + i % 16];
+  o = i < 16 ? static_cast<uint8_t>((o & 0xF0) | q) : static_cast<uint8_t>((o & 0x0F) | (q << 4));
+}
+
+// Weight k (q in 0..63) into a zeroed int6 row of the row layout (pack_int6_streaming: u6_at's positions).
+inline void put_u6(uint8_t* row, int64_t k, int q) {
+  const int64_t i = k % 32, lane = 16 * ((k % 128) / 32) + i % 16;
+  uint8_t* quad = row + (k / 128) * 96;
+  quad[((k % 128) / 32) * 16 + i % 16] |= static_cast<uint8_t>(i < 16 ? q & 15 : (q & 15) << 4);
+  quad[64 + lane % 32] |= static_cast<uint8_t>((q >> 4) << ((i < 16 ? 0 : 4) + (lane < 32 ? 0 : 2)));
+}
+
+// Where interleaved rows (pack_int4_interleaved; quant/int4.py interleaved_lanes) hold channel c of a 256-channel
+// step: 32-byte vector v, byte j, nibble 0 (low) or 1 (high). Channel 64 g + 32 nibble + 8 v + 4 h + t sits at
+// byte 16 h + 4 g + t.
+struct InterleavedAt {
+  int64_t v, j, nibble;
+};
+inline InterleavedAt interleaved_at(int64_t c) {
+  const int64_t r = c % 64;
+  return {(r % 32) / 8, 16 * ((r % 8) / 4) + 4 * (c / 64) + r % 4, r / 32};
+}
+
 // Panels back to the row layout (pack_int4_streaming's [N, K / 2]), for the paths that read rows: float32
 // activations (exact), more rows than stream, CPUs without AVX-512 VNNI.
 at::Tensor panels_to_rows(const at::Tensor& panels, int64_t N, int64_t K, int64_t g) {
@@ -1634,10 +1661,7 @@ at::Tensor panels_to_rows(const at::Tensor& panels, int64_t N, int64_t K, int64_
       for (int64_t k = 0; k < K; ++k) {
         const int64_t j = k / g, c = k % g, v = c / 8, t = c % 8;
         const uint8_t byte = p[j * (8 * g + 64) + v * 64 + 4 * r + t % 4];
-        const uint8_t q = t < 4 ? byte & 15 : byte >> 4;
-        const int64_t blk = k / 32, i = k % 32;  // row layout: byte i of a block: weights i (low) and 16 + i (high)
-        uint8_t& o = out[blk * 16 + i % 16];
-        o = i < 16 ? static_cast<uint8_t>((o & 0xF0) | q) : static_cast<uint8_t>((o & 0x0F) | (q << 4));
+        put_u4(out, k, t < 4 ? byte & 15 : byte >> 4);
       }
     }
   });
@@ -1734,12 +1758,7 @@ at::Tensor int6_panels_to_rows(const at::Tensor& panels, int64_t N, int64_t K, i
         const int byte = 4 * r + t % 4;  // in the vector; t < 4: its low nibble, else its high one
         const uint8_t plane = pv[64 + byte % 32];
         const int field = (t < 4 ? 0 : 2) + (byte < 32 ? 0 : 4);
-        const int q = (t < 4 ? pv[byte] & 15 : pv[byte] >> 4) | (((plane >> field) & 3) << 4);
-        // u6_at's position of weight k in the row layout
-        const int64_t i = k % 32, lane = 16 * ((k % 128) / 32) + i % 16;
-        uint8_t* quad = out + (k / 128) * 96;
-        quad[((k % 128) / 32) * 16 + i % 16] |= static_cast<uint8_t>(i < 16 ? q & 15 : (q & 15) << 4);
-        quad[64 + lane % 32] |= static_cast<uint8_t>((q >> 4) << ((i < 16 ? 0 : 4) + (lane < 32 ? 0 : 2)));
+        put_u6(out, k, (t < 4 ? pv[byte] & 15 : pv[byte] >> 4) | (((plane >> field) & 3) << 4));
       }
     }
   });
@@ -1747,9 +1766,9 @@ at::Tensor int6_panels_to_rows(const at::Tensor& panels, int64_t N, int64_t K, i
 }
 
 // int6 interleaved rows (pack_int6_interleaved: [N, K / 256, 192]) back to int6 rows, as int6_panels_to_rows.
-// Per 256 channels, two 96-byte units: int4's interleaved vectors 2u and 2u + 1 (interleaved_to_rows says which
-// channel each byte's nibbles hold), then their high 2 bits, byte t holding those of vector 2u's low and high
-// nibbles at t in bits 0-1 and 4-5, vector 2u + 1's in bits 2-3 and 6-7 (load_u6_pair's order).
+// Per 256 channels, two 96-byte units: int4's interleaved vectors 2u and 2u + 1 (interleaved_at), then their high
+// 2 bits, byte t holding those of vector 2u's low and high nibbles at t in bits 0-1 and 4-5, vector 2u + 1's in
+// bits 2-3 and 6-7 (load_u6_pair's order).
 at::Tensor int6_interleaved_to_rows(const at::Tensor& il, int64_t N, int64_t K) {
   auto rows = at::zeros({N, 3 * K / 4}, at::kByte);
   const uint8_t* src = il.data_ptr<uint8_t>();
@@ -1758,17 +1777,11 @@ at::Tensor int6_interleaved_to_rows(const at::Tensor& il, int64_t N, int64_t K) 
     for (int64_t n = n0; n < n1; ++n) {
       uint8_t* out = dst + n * (3 * K / 4);
       for (int64_t k = 0; k < K; ++k) {
-        const int64_t c = k % 256, grp = c / 64, r = c % 64, nib = r / 32, v = (r % 32) / 8;
-        const int64_t j = 16 * ((r % 8) / 4) + 4 * grp + r % 4;  // the byte in vector v
-        const uint8_t* unit = src + (n * (K / 256) + k / 256) * 192 + (v / 2) * 96;
-        const uint8_t byte = unit[(v % 2) * 32 + j];
-        const int field = 4 * static_cast<int>(nib) + 2 * static_cast<int>(v % 2);
-        const int q = (nib == 0 ? byte & 15 : byte >> 4) | (((unit[64 + j] >> field) & 3) << 4);
-        // u6_at's position of weight k in the row layout
-        const int64_t i = k % 32, lane = 16 * ((k % 128) / 32) + i % 16;
-        uint8_t* quad = out + (k / 128) * 96;
-        quad[((k % 128) / 32) * 16 + i % 16] |= static_cast<uint8_t>(i < 16 ? q & 15 : (q & 15) << 4);
-        quad[64 + lane % 32] |= static_cast<uint8_t>((q >> 4) << ((i < 16 ? 0 : 4) + (lane < 32 ? 0 : 2)));
+        const InterleavedAt at = interleaved_at(k % 256);
+        const uint8_t* unit = src + (n * (K / 256) + k / 256) * 192 + (at.v / 2) * 96;
+        const uint8_t byte = unit[(at.v % 2) * 32 + at.j];
+        const int64_t field = 4 * at.nibble + 2 * (at.v % 2);
+        put_u6(out, k, (at.nibble == 0 ? byte & 15 : byte >> 4) | (((unit[64 + at.j] >> field) & 3) << 4));
       }
     }
   });
@@ -1898,8 +1911,7 @@ bool has_int4_interleaved() {
 }
 
 // Interleaved rows [N, K / 256, 128] (pack_int4_interleaved) in the row layout [N, K / 2], for the paths that
-// read that (float32 activations, more rows than stream, other CPUs). Within each 128-byte step, byte j of
-// vector k holds group (j / 4) % 4's channels 8 k + 4 (j / 16) + j % 4 (low nibble) and 32 more (high).
+// read that (float32 activations, more rows than stream, other CPUs). interleaved_at says where each channel is.
 at::Tensor interleaved_to_rows(const at::Tensor& il) {
   const int64_t N = il.size(0), S = il.size(1), K = 256 * S;
   auto rows = at::empty({N, K / 2}, at::kByte);
@@ -1907,24 +1919,49 @@ at::Tensor interleaved_to_rows(const at::Tensor& il) {
   uint8_t* dst = rows.data_ptr<uint8_t>();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
-      for (int64_t st = 0; st < S; ++st) {
-        const uint8_t* p = src + (n * S + st) * 128;
-        uint8_t* out = dst + n * (K / 2) + st * 128;  // 256 channels: 8 row-layout blocks of 16 bytes
-        for (int k = 0; k < 4; ++k)
-          for (int j = 0; j < 32; ++j) {
-            const int64_t c = ((j / 4) % 4) * 64 + 8 * k + 4 * (j / 16) + j % 4;  // the low nibble's channel
-            for (int plane = 0; plane < 2; ++plane) {
-              const int64_t ch = c + 32 * plane;
-              const uint8_t q = plane == 0 ? p[k * 32 + j] & 15 : p[k * 32 + j] >> 4;
-              const int64_t blk = ch / 32, i = ch % 32;  // row layout: byte i of a block: weights i, 16 + i
-              uint8_t& o = out[blk * 16 + i % 16];
-              o = i < 16 ? static_cast<uint8_t>((o & 0xF0) | q) : static_cast<uint8_t>((o & 0x0F) | (q << 4));
-            }
-          }
+      for (int64_t k = 0; k < K; ++k) {
+        const InterleavedAt at = interleaved_at(k % 256);
+        const uint8_t byte = src[(n * S + k / 256) * 128 + at.v * 32 + at.j];
+        put_u4(dst + n * (K / 2), k, at.nibble == 0 ? byte & 15 : byte >> 4);
       }
   });
   return rows;
 }
+
+namespace {
+
+// int4_linear's and int6_linear's interleaved rows (SIX: int6's, [N, K / 256, 192]; else [N, K / 256, 128]): the
+// shapes checked, bf16/fp16 rows up to quant_max_rows() streamed where has_int4_interleaved(), anything else
+// handed to rows(), which runs the row layout on the converted weight.
+template <bool SIX, typename Rows>
+at::Tensor interleaved_linear(const char* op, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                              int64_t group, const c10::optional<at::Tensor>& bias, Rows&& rows) {
+  TORCH_CHECK(x.dim() == 2 && group == 64 && x.size(1) == 256 * packed.size(1) && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kByte,
+              op, ": x [M, K], interleaved rows [N, K / 256, ", SIX ? "192" : "128", "] uint8, groups of 64");
+  const int64_t M = x.size(0), N = packed.size(0), K = x.size(1);
+  const bool streams = has_int4_interleaved() && M <= quant_max_rows() && x.stride(1) == 1 &&
+                       (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf);
+  if (!streams) return rows();
+  check_group_scales(op, N, K, group, scales);
+  at::Tensor b32;
+  const float* bp = bias_f32(bias, b32);
+  auto y = at::empty({M, N}, x.options());
+#if LEVERLAB_QUANT_AVX2
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "interleaved_linear", [&] {
+    const uint8_t* w = packed.data_ptr<uint8_t>();
+    const at::Half* ss = scales.data_ptr<at::Half>();
+    if constexpr (SIX)  // row by row, as the row layout's AVX2 path (the int6 stream takes one row)
+      for (int64_t m = 0; m < M; ++m)
+        int4_rows_q8<scalar_t, true>(x.narrow(0, m, 1), w, ss, group, bp, y.data_ptr<scalar_t>() + m * N, N, K, true);
+    else
+      int4_rows_q8<scalar_t>(x, w, ss, group, bp, y.data_ptr<scalar_t>(), N, K, /*il=*/true);
+  });
+#endif
+  return y;
+}
+
+}  // namespace
 
 // x [M, K], packed [N, K / 2] uint8 (the layout above), scales [N, 2, K / g] fp16 (row n's group scales, then its
 // zero points) -> [M, N] in x's dtype. Up to quant_max_rows() rows stream; more dequantize the weight and
@@ -1932,28 +1969,12 @@ at::Tensor interleaved_to_rows(const at::Tensor& il) {
 // ones, with AVX2, take the integer path.
 // packed may also be panels [N / 16, K / g, 8 g + 64] (pack_int4_panels; scales stay [N, 2, K / g], which the
 // panels repeat): bf16/fp16 rows up to quant_max_rows() stream them on AVX-512 VNNI, the rest take the row layout.
+// Or interleaved rows [N, K / 256, 128] (pack_int4_interleaved): streamed alike on AVX2 (interleaved_linear).
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
                        const c10::optional<at::Tensor>& bias) {
-  if (packed.dim() == 3 && packed.size(2) == 128) {  // interleaved rows
-    TORCH_CHECK(x.dim() == 2 && group == 64 && x.size(1) == 256 * packed.size(1) && packed.is_contiguous() &&
-                    packed.scalar_type() == at::kByte,
-                "int4_linear: x [M, K], interleaved rows [N, K / 256, 128] uint8, groups of 64");
-    const bool streams = has_int4_interleaved() && x.size(0) <= quant_max_rows() && x.stride(1) == 1 &&
-                         (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf);
-    if (!streams) return int4_linear(x, interleaved_to_rows(packed), scales, group, bias);
-    const int64_t N = packed.size(0), K = x.size(1);
-    check_group_scales("int4_linear", N, K, group, scales);
-    at::Tensor b32;
-    const float* bp = bias_f32(bias, b32);
-    auto y = at::empty({x.size(0), N}, x.options());
-#if LEVERLAB_QUANT_AVX2
-    AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "int4_linear", [&] {
-      int4_rows_q8<scalar_t>(x, packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), group, bp,
-                             y.data_ptr<scalar_t>(), N, K, /*il=*/true);
-    });
-#endif
-    return y;
-  }
+  if (packed.dim() == 3 && packed.size(2) == 128)
+    return interleaved_linear<false>("int4_linear", x, packed, scales, group, bias,
+                                     [&] { return int4_linear(x, interleaved_to_rows(packed), scales, group, bias); });
   if (packed.dim() == 3)
     return panel_linear<false>("int4_linear", x, packed, scales, group, bias, [&](int64_t N, int64_t K) {
       return int4_linear(x, panels_to_rows(packed, N, K, group), scales, group, bias);
@@ -2064,30 +2085,14 @@ bool has_int6_stream() {
 // rows stream with integer dot products, up to quant_max_rows() of them: on AVX-512 VNNI (has_fast_int6), or on
 // AVX2 with groups of 64, one row at a time (has_int6_stream); more take aten's matmul on the dequantized weight;
 // the rest the plain path.
-// packed may also be panels [N / 16, K / g, 12 g + 64] (pack_int6_panels), streamed as int4's panels are.
+// packed may also be panels [N / 16, K / g, 12 g + 64] (pack_int6_panels), streamed as int4's panels are, or
+// interleaved rows [N, K / 256, 192] (pack_int6_interleaved), as int4's.
 at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
                        const c10::optional<at::Tensor>& bias) {
-  if (packed.dim() == 3 && packed.size(2) == 192) {  // interleaved rows (pack_int6_interleaved)
-    TORCH_CHECK(x.dim() == 2 && group == 64 && x.size(1) == 256 * packed.size(1) && packed.is_contiguous() &&
-                    packed.scalar_type() == at::kByte,
-                "int6_linear: x [M, K], interleaved rows [N, K / 256, 192] uint8, groups of 64");
-    const int64_t M = x.size(0), N = packed.size(0), K = x.size(1);
-    const bool streams = has_int4_interleaved() && M <= quant_max_rows() && x.stride(1) == 1 &&
-                         (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf);
-    if (!streams) return int6_linear(x, int6_interleaved_to_rows(packed, N, K), scales, group, bias);
-    check_group_scales("int6_linear", N, K, group, scales);
-    at::Tensor b32;
-    const float* bp = bias_f32(bias, b32);
-    auto y = at::empty({M, N}, x.options());
-#if LEVERLAB_QUANT_AVX2
-    AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "int6_linear", [&] {
-      for (int64_t m = 0; m < M; ++m)  // row by row, as the row layout's AVX2 path
-        int4_rows_q8<scalar_t, true>(x.narrow(0, m, 1), packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
-                                     group, bp, y.data_ptr<scalar_t>() + m * N, N, K, /*il=*/true);
+  if (packed.dim() == 3 && packed.size(2) == 192)
+    return interleaved_linear<true>("int6_linear", x, packed, scales, group, bias, [&] {
+      return int6_linear(x, int6_interleaved_to_rows(packed, packed.size(0), x.size(1)), scales, group, bias);
     });
-#endif
-    return y;
-  }
   if (packed.dim() == 3)
     return panel_linear<true>("int6_linear", x, packed, scales, group, bias, [&](int64_t N, int64_t K) {
       return int6_linear(x, int6_panels_to_rows(packed, N, K, group), scales, group, bias);
