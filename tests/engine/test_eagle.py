@@ -38,7 +38,7 @@ def trained_head(target, tmp_path_factory):
                                   "Hello, world!", "The quick brown fox"] * 8) + "\n")
     out = work / "head"
     rc = main(["train-eagle", "--model", target, "--out", str(out), "--work-dir", str(work / "run"),
-               "--prompts", str(prompts), "--time-budget-min", "0.08", "--gen-tokens", "40", "--seq-len", "32",
+               "--prompts", str(prompts), "--time-budget-min", "0.12", "--gen-tokens", "40", "--seq-len", "32",
                "--batch-size", "4", "--threads", "1", "--dtype", "float32", "--eval-prompts", "2",
                "--eval-tokens", "16", "--num-prompts", "40", "--lr", "3e-3", "--ckpt-minutes", "10"])
     assert rc == 0
