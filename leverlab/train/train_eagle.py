@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=Path, default=None,
                    help="prompt file (one per line, or .jsonl with prompt/text); default: the bundled corpus")
     p.add_argument("--time-budget-min", type=float, default=30.0, help="training time, minutes")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="train exactly this many steps instead of for --time-budget-min (0: the time budget)")
     p.add_argument("--gen-minutes", type=float, default=10.0, help="data generation time cap, minutes")
     p.add_argument("--num-prompts", type=int, default=4000, help="training prompts to continue (at most)")
     p.add_argument("--gen-tokens", type=int, default=192, help="tokens the target generates per prompt")
@@ -71,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
     from leverlab.train.paths import MODELS_DIR, REPO_ROOT
     from leverlab.train.trainer import TrainSettings, autocast, pick_device, train
 
+    if args.max_steps < 0:
+        print(f"train-eagle: --max-steps must be 0 or more, got {args.max_steps}", file=sys.stderr)
+        return 2
     target = str(Path(args.model).resolve()) if args.model else str(default_model_path())
     if args.out is None:
         if args.model:
@@ -160,8 +165,8 @@ def run(args: argparse.Namespace) -> int:
     def export() -> None:
         save_head(head, out, dtype="bfloat16")
 
-    settings = TrainSettings(time_budget_min=args.time_budget_min, batch_size=args.batch_size,
-                             seq_len=args.seq_len, lr=args.lr, warmup_steps=30, weight_decay=0.0,
+    settings = TrainSettings(time_budget_min=args.time_budget_min, max_steps=args.max_steps,
+                             batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, warmup_steps=30, weight_decay=0.0,
                              threads=args.threads, device=args.device, ckpt_minutes=args.ckpt_minutes,
                              val_windows=16, seed=args.seed, log_every=5)
     t0 = time.monotonic()

@@ -28,6 +28,10 @@ from leverlab.train.data import fixed_windows, random_windows
 @dataclass
 class TrainSettings:
     time_budget_min: float = 95.0
+    # A fixed number of steps instead of the time budget (0: none). The run is then the same on any machine at any
+    # load (a seeded run draws the same batches), where a wall-clock budget trains as many steps as the machine
+    # gives it: what a test needs of a trained fixture.
+    max_steps: int = 0
     batch_size: int = 8
     seq_len: int = 512
     lr: float = 2e-3
@@ -56,7 +60,7 @@ def autocast(device: torch.device):
 
 def lr_at(s: TrainSettings, step: int, elapsed_s: float) -> float:
     warm = min(1.0, (step + 1) / s.warmup_steps)
-    progress = min(1.0, elapsed_s / (s.time_budget_min * 60))
+    progress = min(1.0, step / s.max_steps if s.max_steps else elapsed_s / (s.time_budget_min * 60))
     cos = s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return s.lr * warm * cos
 
@@ -149,7 +153,11 @@ def train(
 
     last_ckpt = time.monotonic()
     t_window, tok_window, loss_window = time.monotonic(), 0, []
-    while state["elapsed_s"] < budget_s:
+
+    def more() -> bool:
+        return state["step"] < s.max_steps if s.max_steps else state["elapsed_s"] < budget_s
+
+    while more():
         t0 = time.monotonic()
         rng = np.random.default_rng([s.seed, state["step"]])
         x = torch.from_numpy(random_windows(train_tokens, s.batch_size, s.seq_len + 1, rng)).to(device)
@@ -180,10 +188,14 @@ def train(
                 **extra,
             }
             _log(run_dir, rec)
-            left = max(0.0, budget_s - state["elapsed_s"]) / 60
+            left = (
+                f"{s.max_steps - state['step']} steps left"
+                if s.max_steps
+                else f"{max(0.0, budget_s - state['elapsed_s']) / 60:.1f} min left"
+            )
             print(
                 f"step {state['step']:6d} | loss {rec['loss']:.4f} | lr {lr:.2e} | {rec['tok_per_s']:,.0f} tok/s "
-                f"| {state['tokens']:,} tokens | {left:.1f} min left",
+                f"| {state['tokens']:,} tokens | {left}",
                 flush=True,
             )
             t_window, tok_window, loss_window = time.monotonic(), 0, []

@@ -30,15 +30,16 @@ def target(checkpoint_factory):
 
 @pytest.fixture(scope="module")
 def trained_head(target, tmp_path_factory):
-    """`leverlab train-eagle` for a few seconds on the tiny target: it learns the target's loops, so its
-    drafts are often accepted (and still sometimes rejected)."""
+    """`leverlab train-eagle` for 80 steps (~10 s) on the tiny target: it learns the target's loops, so its
+    drafts are often accepted (and still sometimes rejected). A step budget, not a time budget: on a loaded
+    machine a time budget had trained too few steps for any draft to be accepted under a random gate."""
     work = tmp_path_factory.mktemp("eagle")
     prompts = work / "prompts.txt"
     prompts.write_text("\n".join(["def add(a, b):", "for i in range(10):", "class Point:", "import os",
                                   "Hello, world!", "The quick brown fox"] * 8) + "\n")
     out = work / "head"
     rc = main(["train-eagle", "--model", target, "--out", str(out), "--work-dir", str(work / "run"),
-               "--prompts", str(prompts), "--time-budget-min", "0.12", "--gen-tokens", "40", "--seq-len", "32",
+               "--prompts", str(prompts), "--max-steps", "80", "--gen-tokens", "40", "--seq-len", "32",
                "--batch-size", "4", "--threads", "1", "--dtype", "float32", "--eval-prompts", "2",
                "--eval-tokens", "16", "--num-prompts", "40", "--lr", "3e-3", "--ckpt-minutes", "10"])
     assert rc == 0
