@@ -166,9 +166,9 @@ def run(args: argparse.Namespace) -> int:
         save_head(head, out, dtype="bfloat16")
 
     settings = TrainSettings(time_budget_min=args.time_budget_min, max_steps=args.max_steps,
-                             batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, warmup_steps=30, weight_decay=0.0,
-                             threads=args.threads, device=args.device, ckpt_minutes=args.ckpt_minutes,
-                             val_windows=16, seed=args.seed, log_every=5)
+                             batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, warmup_steps=30,
+                             weight_decay=0.0, threads=args.threads, device=args.device,
+                             ckpt_minutes=args.ckpt_minutes, val_windows=16, seed=args.seed, log_every=5)
     t0 = time.monotonic()
     state = train(head, loss_fn, train_stream, val_stream, work, settings, resume=args.resume,
                   on_checkpoint=export, evaluate=evaluate)

@@ -517,7 +517,8 @@ template <int PF, bool SIX, bool IL>
 
 // A row's sum over groups j of mult[j] times its integer dot product with x's group j, as eight partial sums.
 template <int PF, bool SIX, bool IL>
-[[gnu::always_inline]] inline __m256 u4_row_g64x4(const uint8_t* wr, int64_t G, const int8_t* xqp, const float* mult) {
+[[gnu::always_inline]] inline __m256 u4_row_g64x4(const uint8_t* wr, int64_t G, const int8_t* xqp,
+                                                  const float* mult) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t p = 0;
   for (; p + 8 <= G; p += 8) {
@@ -562,7 +563,8 @@ template <int PF, bool SIX, bool IL, typename T>
   for (; n + 8 <= n1; n += 8) {
     __m256 z[8], v[8];
     for (int i = 0; i < 8; ++i) z[i] = row_multipliers(ss + (n + i) * 2 * G, end, G, xsg, gsum, mult + i * G8);
-    for (int i = 0; i < 8; ++i) v[i] = _mm256_sub_ps(u4_row_g64x4<PF, SIX, IL>(w + (n + i) * rb, G, xqp, mult + i * G8), z[i]);
+    for (int i = 0; i < 8; ++i)
+      v[i] = _mm256_sub_ps(u4_row_g64x4<PF, SIX, IL>(w + (n + i) * rb, G, xqp, mult + i * G8), z[i]);
     __m256 s = hsums8(v);
     if (bias) s = _mm256_add_ps(s, _mm256_loadu_ps(bias + n));
     alignas(32) float out[8];
