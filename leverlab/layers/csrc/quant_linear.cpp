@@ -326,7 +326,7 @@ inline void i8_dots_4rows(const int8_t* w, int64_t K, const QuantizedRows& x, fl
 // by gsum's zero lanes), except where that would read past `end`, the tensor's end: there they are zero.
 inline void scale_chunk(const at::Half* sr, int64_t G, int64_t c, const at::Half* end, __m256& s, __m256& z) {
   const int64_t j = c * 8;
-  if (sr + G + j + 8 <= end) {
+  if (G % 8 == 0 || sr + G + j + 8 <= end) {  // whole chunks (every model's rows) never read past the row
     s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + j)));
     z = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + G + j)));
   } else {  // the last row's last, partial chunk
@@ -503,12 +503,7 @@ template <int PF, bool SIX, bool IL>
   __m256 zacc = _mm256_setzero_ps();
   for (int64_t c = 0; c * 8 < G; ++c) {
     __m256 sv, zv;
-    if (G % 8 == 0) {  // every model's rows: whole chunks, no read past the row
-      sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + c * 8)));
-      zv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + G + c * 8)));
-    } else {
-      scale_chunk(sr, G, c, end, sv, zv);
-    }
+    scale_chunk(sr, G, c, end, sv, zv);
     zacc = _mm256_fmadd_ps(_mm256_mul_ps(sv, zv), _mm256_loadu_ps(gsum + c * 8), zacc);
     _mm256_storeu_ps(mult + c * 8, _mm256_mul_ps(sv, _mm256_loadu_ps(xsg + c * 8)));
   }
@@ -538,16 +533,9 @@ template <int PF, bool SIX, bool IL>
   return _mm256_add_ps(acc0, acc1);
 }
 
-// The horizontal sums of a[0 .. 8) as the lanes of one vector: a[i]'s in lane i.
-inline __m256 hsums8(const __m256* a) {
-  const __m256 l = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));  // per half: 0 1 2 3
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));  // per half: 4 5 6 7
-  return _mm256_add_ps(_mm256_permute2f128_ps(l, h, 0x20), _mm256_permute2f128_ps(l, h, 0x31));
-}
-
 // Rows n0 .. n1 (rb bytes per weight row; 2G fp16 scales and zero points per row, end: the scales' end):
 // y[n] = the row's dot product with x + bias[n]. Eight rows at a time: their multipliers first (into mult,
-// [8][G rounded up to 8]), then their dot products, whose partial sums are reduced together (hsums8) and stored
+// [8][G rounded up to 8]), then their dot products, whose partial sums are reduced together (two hsums) and stored
 // as eight outputs. A function of its own, every pointer an argument and the rows inlined into it: before, with
 // u4_row_g64x4 a call per row, a 1,024-wide int4 row paid a call, a vzeroupper and a horizontal sum of its own
 // (1-thread hot harness: ~132 -> ~117 tsc a row of 4,096 x 1,024).
@@ -565,7 +553,7 @@ template <int PF, bool SIX, bool IL, typename T>
     for (int i = 0; i < 8; ++i) z[i] = row_multipliers(ss + (n + i) * 2 * G, end, G, xsg, gsum, mult + i * G8);
     for (int i = 0; i < 8; ++i)
       v[i] = _mm256_sub_ps(u4_row_g64x4<PF, SIX, IL>(w + (n + i) * rb, G, xqp, mult + i * G8), z[i]);
-    __m256 s = hsums8(v);
+    __m256 s = _mm256_set_m128(hsums(v + 4, 4), hsums(v, 4));
     if (bias) s = _mm256_add_ps(s, _mm256_loadu_ps(bias + n));
     alignas(32) float out[8];
     _mm256_store_ps(out, s);
