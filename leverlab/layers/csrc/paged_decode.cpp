@@ -452,6 +452,10 @@ void item_bf16(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, uint1
 // Measured on a Zen 1, the 0.6B shape's heads (8 KV heads, GQA 2, D = 128), 28 layers, one sequence: see
 // docs/quantization.md (session 34).
 constexpr int64_t kVTile = 32;
+// The scores pass requests K rows this many positions ahead: a position costs its two rows ~30 cycles here, so
+// the 8 of kAhead gave a miss ~100 ns of warning, about its latency (16, with the values pass's requests above:
+// see there).
+constexpr int64_t kAheadK = 16;
 
 // Row r0's (and, NR = 2, row r0 + 1's) scores for the NP positions whose K rows are krow[0 .. NP): q rows qf0,
 // qf1 in the split order above, into s0, s1 (NP floats each).
@@ -492,14 +496,18 @@ inline void scores_block(const uint16_t* const* krow, const float* qf0, const fl
 
 // Rows r0 (and r0 + 1) of P V over positions [p0, p1) of the item, output elements [32 d, 32 d + 32) in the split
 // order, accumulated into acc0 (acc1) at that offset: probabilities pr0, pr1 indexed by position - first. Rows of
-// positions up to fetch_end are requested into L1 kAheadV positions early (the first pass over a tile does it).
+// positions up to fetch_end are requested into L1 a tile early, spread over the tile's passes: pass d (output
+// elements 32 d ..) requests line d of the next tile's rows, the line that pass will read there (a row of D bf16
+// is D / 32 lines, one per pass); item_bf16 requests the first tile's rows before the first pass.
 // The scores pass requests only K: V rows it had requested too were evicted again before this pass at long
 // contexts (a head's K and V of 1,000 positions are 512 KB, this machine's whole L2 per core) and took bandwidth
-// from K's. Measured on the Zen 1 machine type (session 36; 28 layers of the 0.6B shape's heads, head-major blocks,
-// two threads, 4 MB of other reads before each layer, paired medians of 8): one sequence of 1,000 tokens
-// 1.14-1.16x, of 160 tokens 1.12-1.14x, 8 sequences of 1,000 1.07-1.09x, with V requested 16 positions ahead here
-// (8: 1.14x, 32: 1.09-1.14x). The int8 cache's integer path measured no change (0.98-1.00x): it keeps its requests.
-constexpr int64_t kAheadV = 16;
+// from K's. Session 36 had the first pass over a tile request whole rows 16 positions ahead, measured 1.12-1.16x
+// over none on the Zen 1 machine type; but a first pass runs a position in ~8 cycles, so 16 positions were ~50 ns
+// of warning for a ~100 ns miss, and the four lines of each row came due at once, while the tile's other three
+// passes (which read L1) requested nothing. Session 40, the same machine type (28 layers of the 0.6B shape's
+// heads, head-major blocks in huge pages, scattered, two threads, 8 MB of other reads before each layer, old and
+// new alternating in one process, paired medians; with the scores pass's distance below): one sequence of 1,000
+// tokens 1.12x, of 160 tokens 1.04x, 16 sequences of 1,000 1.22x.
 template <int D, int NR>
 inline void values_block(const uint16_t* vp, const int64_t* offs, const float* pr0, const float* pr1, int64_t p0,
                          int64_t p1, int d, float* acc0, float* acc1, int64_t fetch_end) {
@@ -510,7 +518,7 @@ inline void values_block(const uint16_t* vp, const int64_t* offs, const float* p
     if constexpr (NR == 2) a[1][k] = _mm256_loadu_ps(acc1 + 32 * d + 8 * k);
   }
   for (int64_t i = p0; i < p1; ++i) {
-    if (i + kAheadV < fetch_end) prefetch_row_l1(vp + offs[i + kAheadV], 2 * D);
+    if (i + kVTile < fetch_end) __builtin_prefetch(vp + offs[i + kVTile] + 32 * d, 0, 3);  // line d, a tile on
     const uint16_t* v = vp + offs[i] + 32 * d;
     __m256 ve0, vo0, ve1, vo1;
     widen_bf16x16(v, ve0, vo0);
@@ -566,12 +574,13 @@ void item_bf16(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, uint1
       for (int i = 0; i < NP; ++i) {
         const int64_t j = std::min<int64_t>(i0 + i, L - 1);
         krow[i] = kp + offs[j];
-        if (r == 0 && i0 + i + kAhead < L) prefetch_row(kp + offs[i0 + i + kAhead], D * 2);  // K into L2
+        if (r == 0 && i0 + i + kAheadK < L) prefetch_row(kp + offs[i0 + i + kAheadK], D * 2);  // K into L2
       }
       const float* q0 = buf.qf.data() + r * D;
       scores_block<C, NR, NP>(krow, q0, q0 + D, probs + r * Lp + i0, probs + (r + 1) * Lp + i0);
     }
   };
+  for (int64_t i = 0; i < std::min(L, kAheadK); ++i) prefetch_row(kp + offs[i], D * 2);  // up to the first request
   int64_t r = 0;
   for (; r + 2 <= R; r += 2) scores.template operator()<2, 4>(r);
   if (r < R) scores.template operator()<1, 8>(r);
@@ -582,16 +591,17 @@ void item_bf16(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, uint1
     std::fill(probs + rr * Lp + (e - it.first), probs + rr * Lp + L, 0.f);
   }
   // Values: tile by tile, 32 output elements at a time.
+  for (int64_t i = 0; i < std::min(L, kVTile); ++i) prefetch_row_l1(vp + offs[i], 2 * D);  // the first tile
   for (int64_t p0 = 0; p0 < L; p0 += kVTile) {
     const int64_t p1 = std::min(L, p0 + kVTile);
     for (r = 0; r + 2 <= R; r += 2)
       for (int d = 0; d < D / 32; ++d)
         values_block<D, 2>(vp, offs, probs + r * Lp, probs + (r + 1) * Lp, p0, p1, d, buf.acc.data() + r * D,
-                        buf.acc.data() + (r + 1) * D, r == 0 && d == 0 ? L : 0);
+                        buf.acc.data() + (r + 1) * D, r == 0 ? L : 0);
     if (r < R)
       for (int d = 0; d < D / 32; ++d)
         values_block<D, 1>(vp, offs, probs + r * Lp, nullptr, p0, p1, d, buf.acc.data() + r * D, nullptr,
-                        r == 0 && d == 0 ? L : 0);
+                        r == 0 ? L : 0);
   }
   for (r = 0; r < R; ++r) {
     uint16_t* orow = op + ((it.row0 + r / G) * lay.H + it.h * G + r % G) * D;
