@@ -22,7 +22,9 @@ weights and the KV cache its attention reads at the decode span's mean context (
 bf16 here, as llama.cpp's default f16 cache: the same bytes), so the roofline stays honest at long contexts, where
 the cache can outweigh an int4 model's weights; the weights-only shares are kept in the JSON. Our precisions are
 also compared generation by generation (--pair-reps: each rep decodes once in every precision, seconds apart), since
-the rounds' blocks fall minutes apart, in different spells of the machine's bandwidth. Raw figures and
+the rounds' blocks fall minutes apart, in different spells of the machine's bandwidth. Each block also records
+the share of CPU time the host gave to other guests during it (/proc/stat's steal; study/steal.py) and, before it,
+how much faster the threads ran a compute-bound product than one thread (near 1: they shared a core). Raw figures and
 settings go to results/bench_peer-<time>.json. llama.cpp is built once into the cache
 (leverlab/bench/peer_llamacpp.py says how and why).
 
@@ -56,7 +58,8 @@ from bench_quant import step_weight_bytes  # noqa: E402
 from server_proc import free_port, stop, wait_ready  # noqa: E402
 
 from leverlab.bench import peer_llamacpp as peer  # noqa: E402
-from leverlab.study.bandwidth import measure_bandwidth  # noqa: E402
+from leverlab.study.bandwidth import measure_bandwidth, thread_scaling  # noqa: E402
+from leverlab.study.steal import StealMeter  # noqa: E402
 
 # measurement -> (label, tokens one step yields, for the roofline: "batch" = --batch; None: no roofline).
 # The keys say 16, the default --batch; the labels say the batch used.
@@ -408,9 +411,13 @@ def run_rounds(args, ours: dict, bins: dict, ggufs: dict, rounds: list, work: Pa
                        "decode16": [rand(args.prompt_len) for _ in range(args.batch)]}
             # The bandwidth beside each precision's block: on a shared machine it moved 50 <-> 78 GB/s within one
             # run (session 14), so a share of the start's figure alone says more about the neighbours than us.
+            steal = StealMeter()  # and the CPU time the host gave to other guests during the block (study/steal.py)
             bw = measure_bandwidth(args.threads, gib=0.5, reps=3)
             rounds.append({"round": rnd, "precision": p, "measurement": "bandwidth", "gb_s": bw})
             print(f"  round {rnd} {p:5s} {'read bandwidth':22s} {'':9s} {bw:.1f} GB/s", flush=True)
+            if (scale := thread_scaling(args.threads)) is not None:  # and whether the threads had cores of their own
+                rounds.append({"round": rnd, "precision": p, "measurement": "thread_scaling", "x": scale})
+                print(f"  round {rnd} {p:5s} {'compute, threads / one':22s} {'':9s} {scale:.2f}x", flush=True)
             for key in args.measurements:
                 for eng in order:
                     raw = None
@@ -424,6 +431,9 @@ def run_rounds(args, ours: dict, bins: dict, ggufs: dict, rounds: list, work: Pa
                     shown = f"{v:.1f} tok/s" if v is not None else "MISSING"
                     label = MEASUREMENTS[key][0].format(batch=args.batch)
                     print(f"  round {rnd} {p:5s} {label:22s} {eng:9s} {shown}", flush=True)
+            if (share := steal.share()) is not None:
+                rounds.append({"round": rnd, "precision": p, "measurement": "steal", "share": share})
+                print(f"  round {rnd} {p:5s} {'cpu steal':22s} {'':9s} {100 * share:.1f}% of the CPU time", flush=True)
         if not args.servers:
             continue
         for p in args.precisions:
@@ -487,7 +497,10 @@ def print_block_shares(rounds: list, weight_bytes: dict, args) -> None:
     """Each decode rate's share of the roofline at the bandwidth measured just before its precision's block in the
     same round (not the run's best bandwidth, as the table above): the best round of each."""
     bws = {(r["round"], r["precision"]): r["gb_s"] for r in rounds if r["measurement"] == "bandwidth"}
+    steals = {(r["round"], r["precision"]): r["share"] for r in rounds if r["measurement"] == "steal"}
+    scales = {(r["round"], r["precision"]): r["x"] for r in rounds if r["measurement"] == "thread_scaling"}
     share: dict = {}
+    block_of: dict = {}  # the (round, precision) block each best share came from
     for r in rounds:
         if r["measurement"] not in MEASUREMENTS:
             continue
@@ -495,16 +508,25 @@ def print_block_shares(rounds: list, weight_bytes: dict, args) -> None:
         v = roofline_share(r["tok_s"], wb, MEASUREMENTS[r["measurement"]][1], bw, args)
         if v is not None:
             k = (r["precision"], r["measurement"], r["engine"])
-            share[k] = max(share.get(k, 0.0), v)
+            if v > share.get(k, 0.0):
+                share[k], block_of[k] = v, (r["round"], r["precision"])
     if not share:
         return
-    print("\nshare of the roofline at the bandwidth measured beside each block (best round):")
+    print("\nshare of the roofline at the bandwidth measured beside each block (best round; with the host's CPU "
+          "steal during that block and the threads' compute scaling before it, where measured):")
     for p in args.precisions:
         for key, (label, _) in MEASUREMENTS.items():
-            a, t = share.get((p, key, OURS)), share.get((p, key, THEIRS))
+            ka, kt = (p, key, OURS), (p, key, THEIRS)
+            a, t = share.get(ka), share.get(kt)
             if a or t:
-                cell = lambda v: f"{100 * v:.0f}%" if v else "-"  # noqa: E731
-                print(f"  {p:5s} {label.format(batch=args.batch):22s} LeverLab {cell(a)}, llama.cpp {cell(t)}")
+                def cell(k, v):
+                    if not v:
+                        return "-"
+                    st, sc = steals.get(block_of[k]), scales.get(block_of[k])
+                    host = ([f"steal {100 * st:.1f}%"] if st is not None else []) + (
+                        [f"threads {sc:.2f}x"] if sc is not None else [])
+                    return f"{100 * v:.0f}%" + (f" ({', '.join(host)})" if host else "")
+                print(f"  {p:5s} {label.format(batch=args.batch):22s} LeverLab {cell(ka, a)}, llama.cpp {cell(kt, t)}")
 
 
 def precision_ratios(rounds: list, best: dict, args) -> dict:

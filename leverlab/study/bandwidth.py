@@ -35,3 +35,30 @@ def measure_bandwidth(threads: int | None = None, gib: float = 1.0, reps: int = 
     if huge is not None:
         best = min(best, best_pass(huge.view(torch.float32).fill_(1.0)))
     return n * 4 / best / 1e9
+
+
+def thread_scaling(threads: int, n: int = 512, reps: int = 5) -> float | None:
+    """How many times faster `threads` threads run a compute-bound float32 product (n x n by n x n, from cache)
+    than one thread: near `threads` where the host runs them on separate cores, near 1 where it runs them on one
+    core's two hyperthreads or time-slices them. None for one thread. Why: the steal counter (study/steal.py) does
+    not see the second case, and on this project's shared VMs two vCPUs at times delivered one core's arithmetic
+    between them (docs/quantization.md, "Session 40"), which moves every compute-bound figure."""
+    import torch
+
+    if threads <= 1:
+        return None
+    a, b = torch.randn(n, n), torch.randn(n, n)
+
+    def best(k: int) -> float:
+        torch.set_num_threads(k)
+        torch.mm(a, b)
+        t = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            t = min(t, time.perf_counter() - t0)
+        return t
+
+    one = best(1)
+    many = best(threads)  # leaves torch at `threads`
+    return one / many

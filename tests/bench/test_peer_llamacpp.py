@@ -125,3 +125,26 @@ def test_peer_paired_ratios_generation_by_generation(monkeypatch):
     assert bench_peer.paired_precision_ratios(lambda p: None, args) is None
     monkeypatch.setattr(args, "pair_reps", 0)
     assert bench_peer.paired_precision_ratios(decode, args) is None
+
+
+def test_peer_block_shares_name_the_steal_of_their_block(monkeypatch, capsys):
+    """The shares at the bandwidth beside each block: the best round's, with the host's CPU steal during that
+    block (study/steal.py) and the threads' compute scaling before it, so a rate from a stolen spell, or from one
+    where two threads had one core between them, reads as one."""
+    bench_peer, args = _bench_peer(monkeypatch, "--model", str(default_model_path()), "--rounds", "2",
+                                   "--precisions", "int4", "--measurements", "decode", "--prompt-len", "0",
+                                   "--decode-len", "0")
+    rounds = [{"round": 1, "precision": "int4", "measurement": "bandwidth", "gb_s": 20.0},
+              {"round": 1, "precision": "int4", "engine": "leverlab", "measurement": "decode", "tok_s": 30.0},
+              {"round": 1, "precision": "int4", "measurement": "steal", "share": 0.052},
+              {"round": 1, "precision": "int4", "measurement": "thread_scaling", "x": 1.04},
+              {"round": 2, "precision": "int4", "measurement": "bandwidth", "gb_s": 20.0},
+              {"round": 2, "precision": "int4", "engine": "leverlab", "measurement": "decode", "tok_s": 40.0},
+              {"round": 2, "precision": "int4", "engine": "llamacpp", "measurement": "decode", "tok_s": 20.0}]
+    bench_peer.print_block_shares(rounds, {"int4": {"leverlab": 4 * 10**8, "llamacpp": 4 * 10**8}}, args)
+    out = capsys.readouterr().out
+    # round 2's 40 tok/s x 0.4 GB over 20 GB/s; round 2 has no steal figure, so none is shown for it
+    assert "LeverLab 80%, llama.cpp 40%" in out
+    rounds[-2]["tok_s"] = 10.0  # now round 1's block is the best: its steal and scaling go with it
+    bench_peer.print_block_shares(rounds, {"int4": {"leverlab": 4 * 10**8, "llamacpp": 4 * 10**8}}, args)
+    assert "LeverLab 60% (steal 5.2%, threads 1.04x), llama.cpp 40%" in capsys.readouterr().out
