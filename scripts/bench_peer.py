@@ -512,21 +512,21 @@ def print_block_shares(rounds: list, weight_bytes: dict, args) -> None:
                 share[k], block_of[k] = v, (r["round"], r["precision"])
     if not share:
         return
+    def cell(k) -> str:  # the best share of k, with what the host gave its block
+        if not share.get(k):
+            return "-"
+        st, sc = steals.get(block_of[k]), scales.get(block_of[k])
+        host = ([f"steal {100 * st:.1f}%"] if st is not None else []) + (
+            [f"threads {sc:.2f}x"] if sc is not None else [])
+        return f"{100 * share[k]:.0f}%" + (f" ({', '.join(host)})" if host else "")
+
     print("\nshare of the roofline at the bandwidth measured beside each block (best round; with the host's CPU "
           "steal during that block and the threads' compute scaling before it, where measured):")
     for p in args.precisions:
         for key, (label, _) in MEASUREMENTS.items():
             ka, kt = (p, key, OURS), (p, key, THEIRS)
-            a, t = share.get(ka), share.get(kt)
-            if a or t:
-                def cell(k, v):
-                    if not v:
-                        return "-"
-                    st, sc = steals.get(block_of[k]), scales.get(block_of[k])
-                    host = ([f"steal {100 * st:.1f}%"] if st is not None else []) + (
-                        [f"threads {sc:.2f}x"] if sc is not None else [])
-                    return f"{100 * v:.0f}%" + (f" ({', '.join(host)})" if host else "")
-                print(f"  {p:5s} {label.format(batch=args.batch):22s} LeverLab {cell(ka, a)}, llama.cpp {cell(kt, t)}")
+            if share.get(ka) or share.get(kt):
+                print(f"  {p:5s} {label.format(batch=args.batch):22s} LeverLab {cell(ka)}, llama.cpp {cell(kt)}")
 
 
 def precision_ratios(rounds: list, best: dict, args) -> dict:

@@ -8,6 +8,17 @@ from __future__ import annotations
 import time
 
 
+def _best_time(fn, reps: int) -> float:
+    """The fastest of `reps` timed calls of fn, after one untimed call (first-touch, warm-up)."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def measure_bandwidth(threads: int | None = None, gib: float = 1.0, reps: int = 5) -> float:
     """Read bandwidth in GB/s: the best of a few full passes summing a tensor far larger than the caches, in
     torch's own (4 KB-page) memory and in huge-page memory, where the engine keeps CPU weights
@@ -21,19 +32,12 @@ def measure_bandwidth(threads: int | None = None, gib: float = 1.0, reps: int = 
         torch.set_num_threads(threads)
     n = int(gib * 2**30) // 4
 
-    def best_pass(x) -> float:
-        x.sum()
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            x.sum()
-            best = min(best, time.perf_counter() - t0)
-        return best
-
-    best = best_pass(torch.ones(n, dtype=torch.float32))  # freed before the next: the peak stays at one buffer
+    x = torch.ones(n, dtype=torch.float32)
+    best = _best_time(x.sum, reps)
+    del x  # freed before the next: the peak stays at one buffer
     huge = huge_page_buffer(n * 4)
     if huge is not None:
-        best = min(best, best_pass(huge.view(torch.float32).fill_(1.0)))
+        best = min(best, _best_time(huge.view(torch.float32).fill_(1.0).sum, reps))
     return n * 4 / best / 1e9
 
 
@@ -51,13 +55,7 @@ def thread_scaling(threads: int, n: int = 512, reps: int = 5) -> float | None:
 
     def best(k: int) -> float:
         torch.set_num_threads(k)
-        torch.mm(a, b)
-        t = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            torch.mm(a, b)
-            t = min(t, time.perf_counter() - t0)
-        return t
+        return _best_time(lambda: torch.mm(a, b), reps)
 
     one = best(1)
     many = best(threads)  # leaves torch at `threads`

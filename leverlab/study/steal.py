@@ -31,17 +31,14 @@ def cpu_ticks(path: Path = PROC_STAT) -> tuple[int, int] | None:
 
 
 class StealMeter:
-    """The steal share of all CPU time between start() (or construction) and share()."""
+    """The steal share of all CPU time between construction and share()."""
 
     def __init__(self, path: Path = PROC_STAT):
         self.path = path
-        self.start()
-
-    def start(self) -> None:
-        self.t0 = cpu_ticks(self.path)
+        self.t0 = cpu_ticks(path)
 
     def share(self) -> float | None:
-        """Steal ticks over all ticks since start(), 0..1; None where not measurable or no tick has passed."""
+        """Steal ticks over all ticks since construction, 0..1; None where not measurable or no tick has passed."""
         t1 = cpu_ticks(self.path)
         if self.t0 is None or t1 is None or t1[1] <= self.t0[1]:
             return None
