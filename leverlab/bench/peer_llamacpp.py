@@ -95,10 +95,39 @@ def binaries(root: Path) -> dict[str, Path]:
     return {t: root / "build" / "bin" / t for t in TARGETS}
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty off Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), ":").split(":", 1)[1].split())
+    except OSError:
+        return set()
+
+
+def build_flags(flags: set[str] | None = None) -> list[str]:
+    """Extra compiler flags for this CPU's build, on top of GGML_NATIVE's -march=native.
+
+    Where the CPU has AMX, -march=native compiles ggml's AMX matmul (ggml-cpu/amx), which in the llama.cpp that
+    llama-cpp-python 0.3.36 pins dies on its first tile instruction (SIGILL in ggml_backend_amx_mul_mat, seen
+    on a 2-vCPU Xeon with AMX for every Q8_0 and Q4_0 run, BF16 unaffected): the tile configuration is built on
+    the stack, where the compiler may drop its stores (llama.cpp pull request #26954). A user would build it
+    without that path, so the peer does too; explicit -mno- flags win over -march=native in any order.
+    """
+    flags = cpu_flags() if flags is None else flags
+    return ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"] if "amx_tile" in flags else []
+
+
 def ensure_built(root: Path, jobs: int | None = None) -> dict[str, Path]:
-    """The four binaries, built on first use (about 6 minutes on 2 cores) and reused after."""
+    """The four binaries, built on first use (about 6 minutes on 2 cores) and reused after; rebuilt when this
+    CPU's build flags differ from those the cached build had (a cache folder moved to another machine)."""
     bins = binaries(root)
-    if all(p.exists() for p in bins.values()):
+    extra = build_flags()
+    stamp = root / "build" / "leverlab-build-flags.json"
+    try:
+        built_with = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        built_with = [] if stamp.parent.exists() else None  # builds from before the stamp had no extra flags
+    if all(p.exists() for p in bins.values()) and built_with == extra:
         print(f"llama.cpp {VERSION}: using the build in {root / 'build'}", flush=True)
         return bins
     cmake = _cmake()
@@ -113,13 +142,19 @@ def ensure_built(root: Path, jobs: int | None = None) -> dict[str, Path]:
     # Static libraries: the binaries do not depend on where the build folder sits.
     # No OpenSSL, no prebuilt web UI (it is fetched from the network; loopback needs none), no tests/examples.
     # LLAMA_CURL is gone in this version (deprecated to a warning; downloads use cpp-httplib), so not passed.
+    if extra:
+        print(f"llama.cpp {VERSION}: this CPU has AMX; building without ggml's AMX matmul ({' '.join(extra)}), "
+              "which crashes in this version", flush=True)
+    cflags = " ".join(extra)  # always passed: a cached CMakeCache must not keep an earlier build's flags
     _run([cmake, "-S", src, "-B", build, *gen, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+          f"-DCMAKE_C_FLAGS={cflags}", f"-DCMAKE_CXX_FLAGS={cflags}",
           "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
           "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF"], log)
     _run([cmake, "--build", build, "--config", "Release", "-j", str(jobs), "--target", *TARGETS], log)
     missing = [t for t, p in bins.items() if not p.exists()]
     if missing:
         raise PeerError(f"the build finished without {missing} in {build / 'bin'}; see {log}")
+    stamp.write_text(json.dumps(extra))
     print(f"llama.cpp {VERSION}: built in {time.perf_counter() - t0:.0f} s", flush=True)
     return bins
 

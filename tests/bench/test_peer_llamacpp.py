@@ -42,6 +42,34 @@ def test_missing_cmake_says_how_to_get_it(monkeypatch):
         peer._cmake()
 
 
+def test_amx_cpus_build_without_ggmls_amx_matmul(tmp_path, monkeypatch):
+    """ggml's AMX matmul dies with SIGILL in the pinned llama.cpp: on an AMX CPU the peer is built without it, and
+    a cached build made with other flags (a cache moved between machines) is rebuilt rather than reused."""
+    assert peer.build_flags({"avx2", "avx512f"}) == []
+    amx = peer.build_flags({"avx512f", "amx_tile", "amx_int8", "amx_bf16"})
+    assert {"-mno-amx-tile", "-mno-amx-int8"} <= set(amx)
+    for bin_path in peer.binaries(tmp_path).values():
+        bin_path.parent.mkdir(parents=True, exist_ok=True)
+        bin_path.write_text("")
+    stamp = tmp_path / "build" / "leverlab-build-flags.json"
+
+    def no_build():
+        raise peer.PeerError("would build")
+
+    monkeypatch.setattr(peer, "_cmake", no_build)
+    for cpu, built_with, reused in ((set(), None, True), (set(), [], True), ({"amx_tile"}, None, False),
+                                    ({"amx_tile"}, amx, True), (set(), amx, False)):
+        monkeypatch.setattr(peer, "cpu_flags", lambda cpu=cpu: cpu)
+        stamp.unlink(missing_ok=True)
+        if built_with is not None:
+            stamp.write_text(json.dumps(built_with))
+        if reused:
+            assert peer.ensure_built(tmp_path) == peer.binaries(tmp_path)
+        else:
+            with pytest.raises(peer.PeerError, match="would build"):
+                peer.ensure_built(tmp_path)
+
+
 def _bench_peer(monkeypatch, *argv: str):
     """scripts/bench_peer.py imported, and its arguments parsed from argv: (the module, args)."""
     import importlib
