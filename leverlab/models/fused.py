@@ -114,7 +114,11 @@ def _set_batched(dec, quantized: list, num_layers: int) -> int | None:
     covered = True
     for i, j, lin in quantized:
         if autotune.eligible(lin):
-            dec.set_batched(i, j, int8_gemm.packed(lin.int8_key), lin.stream_rows, int8_gemm.REDUCE_RANGE)
+            w = int8_gemm.packed(lin.int8_key)
+            if isinstance(w, int8_gemm.AmxWeight):
+                dec.set_batched_amx(i, j, w.packed, w.scales, lin.stream_rows)
+            else:
+                dec.set_batched(i, j, w, lin.stream_rows, int8_gemm.REDUCE_RANGE)
         else:
             covered = False
     return None if covered else autotune.fused_rows([lin for _, _, lin in quantized], num_layers)

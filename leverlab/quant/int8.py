@@ -65,7 +65,7 @@ def streaming_kernels(device: torch.device):
 
 
 def use_int8_gemm(layer, dtype: torch.dtype, device: torch.device) -> bool:
-    return int8_gemm.AVAILABLE and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+    return int8_gemm.available() and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
 
 
 class Int8Method(QuantMethod):

@@ -10,19 +10,27 @@ Inductor never re-lowers it and one graph serves every batch size.
 Activation quantization is per row (token), though fbgemm quantizes its input per tensor: each row is
 divided by its own max|x| first, so every row spans [-1, 1] and gets the same resolution whatever its
 neighbours (a loud prefill token cannot coarsen the others), and y = r * (x / r) W^T is scaled back.
+
+On CPUs with AMX int8 (Intel Sapphire Rapids and later) the same op runs our AMX tile GEMM instead
+(layers/csrc/amx_int8.cpp): per-row symmetric int8 activations (the same resolution as above), the weight packed
+into tiles once. fbgemm's VNNI kernel ran the Qwen3-0.6B shape's prefill GEMMs at about a sixth of the tiles' rate
+there. LEVERLAB_NO_AMX=1 keeps fbgemm.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 import weakref
+from dataclasses import dataclass
 
 import torch
 
+from leverlab import env
 from leverlab.custom_op import custom_op
 
-AVAILABLE = "fbgemm" in torch.backends.quantized.supported_engines
+FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
 
 
 def _has_vnni() -> bool:
@@ -39,36 +47,91 @@ def _has_vnni() -> bool:
 # of the output's range. reduce_range quantizes activations to 7 bits (2 * 127 * 127 fits), as PyTorch's own
 # dynamic quantization does on such CPUs.
 REDUCE_RANGE = not _has_vnni()
-_PACKED: dict[int, object] = {}  # key -> fbgemm LinearPackedParams (the op takes a key: ScriptObjects do not trace)
+_PACKED: dict[int, object] = {}  # key -> fbgemm LinearPackedParams or AmxWeight (the op takes a key: ScriptObjects do not trace)
 _KEYS = itertools.count()
 
 
+@functools.cache
+def amx_kernels():
+    """Our CPU kernels where they run AMX int8 here (built for it, and the OS grants the tiles), else None."""
+    if env.flag("LEVERLAB_NO_AMX"):
+        return None
+    from leverlab.layers.cpu_kernels import kernels
+
+    k = kernels()
+    return k if k is not None and k.amx_int8_available() else None
+
+
+def available() -> bool:
+    """Whether this machine has an int8 x int8 GEMM for the batched rows: AMX tiles or fbgemm."""
+    return amx_kernels() is not None or FBGEMM
+
+
+@dataclass(frozen=True)
+class AmxWeight:
+    """An int8 weight in AMX tiles (amx_int8.cpp's layout) and its per-row scales."""
+
+    packed: torch.Tensor  # int8 [Np/16, Kp/64, 16, 64]: Np = N rounded up to 32, Kp = K to 64, zero padding
+    scales: torch.Tensor  # float32 [N]
+    shape: tuple[int, int]  # (N, K)
+
+
+def pack_amx(q: torch.Tensor, scales: torch.Tensor) -> AmxWeight:
+    """q int8 [N, K] in B tiles: tile (nb, kc) row r holds k = 64 kc + 4 r .. + 3 of columns 16 nb .. + 15, four
+    bytes a column (the order TDPBSSD reads)."""
+    n, k = q.shape
+    np_, kp = -(-n // 32) * 32, -(-k // 64) * 64
+    qp = torch.zeros(np_, kp, dtype=torch.int8)
+    qp[:n, :k] = q
+    packed = qp.view(np_ // 16, 16, kp // 64, 16, 4).permute(0, 2, 3, 1, 4).reshape(np_ // 16, kp // 64, 16, 64)
+    return AmxWeight(packed.contiguous(), scales.float().contiguous(), (n, k))
+
+
+def unpack_amx(w: AmxWeight) -> torch.Tensor:
+    """The int8 [N, K] weight back out of its tiles."""
+    nb, kc = w.packed.shape[:2]
+    q = w.packed.view(nb, kc, 16, 16, 4).permute(0, 3, 1, 2, 4).reshape(nb * 16, kc * 64)
+    return q[: w.shape[0], : w.shape[1]].contiguous()
+
+
 def pack(owner: object, q: torch.Tensor, scales: torch.Tensor) -> int:
-    """Prepack q int8 [N, K] with per-row scales [N]; returns the key, released when `owner` is collected."""
-    with warnings.catch_warnings():  # quantized tensors are deprecated as a user API; fbgemm's ops take them
-        warnings.simplefilter("ignore", UserWarning)
-        qt = torch._make_per_channel_quantized_tensor(
-            q.contiguous(), scales.double(), torch.zeros(q.shape[0], dtype=torch.int64), 0)
+    """Prepack q int8 [N, K] with per-row scales [N] (AMX tiles where they run, else fbgemm's layout); returns the
+    key, released when `owner` is collected."""
     key = next(_KEYS)
-    _PACKED[key] = torch.ops.quantized.linear_prepack(qt, None)
+    if amx_kernels() is not None:
+        _PACKED[key] = pack_amx(q, scales)
+    else:
+        with warnings.catch_warnings():  # quantized tensors are deprecated as a user API; fbgemm's ops take them
+            warnings.simplefilter("ignore", UserWarning)
+            qt = torch._make_per_channel_quantized_tensor(
+                q.contiguous(), scales.double(), torch.zeros(q.shape[0], dtype=torch.int64), 0)
+        _PACKED[key] = torch.ops.quantized.linear_prepack(qt, None)
     weakref.finalize(owner, _PACKED.pop, key, None)
     return key
 
 
 def packed(key: int) -> object:
-    """The prepacked fbgemm weight behind a key (for the fused decode path, which calls the op from C++)."""
+    """The prepacked weight behind a key (for the fused decode path, which calls the kernel from C++)."""
     return _PACKED[key]
 
 
 def unpack(key: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 [N, K], scales float32 [N]) of a packed weight."""
-    qt, _ = torch.ops.quantized.linear_unpack(_PACKED[key])
+    w = _PACKED[key]
+    if isinstance(w, AmxWeight):
+        return unpack_amx(w), w.scales
+    qt, _ = torch.ops.quantized.linear_unpack(w)
     return qt.int_repr(), qt.q_per_channel_scales().float()
 
 
 @custom_op("leverlab::int8_linear")
 def int8_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
     """x [M, K] (any float dtype) -> x W^T [M, N] in x's dtype, activations quantized per row."""
+    w = _PACKED[key]
+    if isinstance(w, AmxWeight):  # packed so only where the kernels run AMX
+        from leverlab.layers.cpu_kernels import kernels
+
+        return kernels().amx_int8_linear(x, w.packed, w.scales)
     xf = x.float()
     r = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)  # [M, 1]
     y = torch.ops.quantized.linear_dynamic(xf / r, _PACKED[key], REDUCE_RANGE)

@@ -143,7 +143,9 @@ def test_int4_interleaved_rows_through_the_fused_step(checkpoint_factory, monkey
                        quantization="int4")
     down = model.model.layers[0].mlp.down_proj
     assert is_interleaved(down.q4[0]) == cpu_kernels.kernels().has_int4_interleaved()
-    assert down.quant_method.bytes_read(down, 1) == down.q4[0].numel() + down.q4[1].numel() * 2
+    panels = down.q4[0].dim() == 3 and not is_interleaved(down.q4[0])  # AVX-512 VNNI: scales inside the panels
+    beside = 0 if panels else down.q4[1].numel() * 2
+    assert down.quant_method.bytes_read(down, 1) == down.q4[0].numel() + beside
     head = model.lm_head  # int6 where its kernel streams (the default for int4 in bf16): interleaved alike
     if head.quant_method.name == "int6":
         assert (head.q6[0].dim() == 3 and head.q6[0].shape[2] == 192) == cpu_kernels.kernels().has_int4_interleaved()
@@ -158,8 +160,9 @@ def test_int4_interleaved_rows_through_the_fused_step(checkpoint_factory, monkey
 
 @pytest.mark.parametrize("method", ("int8", "int4"))
 def test_fused_forward_takes_fbgemm_past_the_streaming_rows(checkpoint_factory, method, monkeypatch):
-    """Past a layer's streaming rows the fused step calls fbgemm's int8 GEMM from C++, op for op as the module path
-    does (quant/int8_gemm.py): the same bf16 result, bit for bit, and the fused path takes steps of any size."""
+    """Past a layer's streaming rows the fused step calls the int8 GEMM from C++ (fbgemm's, op for op as the module
+    path does, or on AMX CPUs our AMX kernel: quant/int8_gemm.py): the same bf16 result, bit for bit, and the fused
+    path takes steps of any size."""
     monkeypatch.setenv("LEVERLAB_STREAM_ROWS", "2")
     model = load_model(checkpoint_factory("qwen2"), "bfloat16", quantization=method)
     dec = fused.fused_decoder(model, [torch.zeros(1)] * model.config.num_layers, "auto", 1)

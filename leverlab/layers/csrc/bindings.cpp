@@ -25,6 +25,8 @@ at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 bool has_fast_int6();
 bool has_int6_stream();
 void bind_fused_decoder(pybind11::module& m);
+bool amx_int8_available();
+at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale);
 
 namespace {
 int stream_family(const std::string& name) {  // -1: not a family
@@ -71,6 +73,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(AVX-512 VNNI); else it takes a plain float loop");
   m.def("has_int6_stream", &has_int6_stream, "whether int6_linear streams one bf16/fp16 row with integer dot "
         "products: AVX-512 VNNI (any group size), or AVX2 (groups of 64, the default)");
+  m.def("amx_int8_available", &amx_int8_available,
+        "whether amx_int8_linear runs here: built with AMX int8 (-march=native on such a CPU) and the OS grants tiles");
+  m.def("amx_int8_linear", &amx_int8_linear, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("w_scale"),
+        "y = (q(x) W^T) * s_x * s_w on AMX tiles for any number of rows: W int8 packed [Np/16, Kp/64, 16, 64] "
+        "(quant/int8_gemm.py pack_amx), float32 s_w [N]; x quantized per row, symmetric");
   m.def("quant_max_rows", &quant_max_rows, "the most activation rows the streaming int8/int4 kernels take");
   m.def("set_stream_prefetch",
         [](const std::string& kind, const std::string& family) {

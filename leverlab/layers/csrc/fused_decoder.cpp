@@ -74,10 +74,12 @@ class PhaseClock {
 // A quantized layer may also have fbgemm's int8 x int8 GEMM (quant/int8_gemm.py) for more rows than it streams
 // (`stream_rows`, measured at load: quant/autotune.py): `packed` is its prepacked weight, called through the
 // dispatcher as the module path calls it, so that batches past the streaming kernels' crossover stay on this path.
+// On CPUs with AMX the int8 copy is in AMX tiles instead (`amx_w`, `amx_scale`: amx_int8.cpp), called directly.
 struct Lin {
   int64_t kind = 0;
   at::Tensor w, scale, bias;  // bias may be undefined
-  c10::IValue packed;  // None: no batched kernel
+  c10::IValue packed;  // None: no fbgemm kernel
+  at::Tensor amx_w, amx_scale;  // undefined: no AMX kernel
   int64_t stream_rows = 0;
   bool reduce_range = false;
 };
@@ -98,12 +100,17 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                        const c10::optional<at::Tensor>& bias);
 at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
                        const c10::optional<at::Tensor>& bias);
+at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale);
 
 namespace {
 
 // fbgemm's dynamic-quantization linear, op for op as quant/int8_gemm.py's int8_linear (each row divided by its
 // own max|x| first, the result scaled back) and the quant methods' apply (bias added in the activations' dtype).
 at::Tensor batched(const Lin& l, const at::Tensor& x) {
+  if (l.amx_w.defined()) {
+    at::Tensor y = amx_int8_linear(x, l.amx_w, l.amx_scale);
+    return l.bias.defined() ? y + l.bias : y;
+  }
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("quantized::linear_dynamic", "");
   const at::Tensor xf = x.to(at::kFloat);
   const at::Tensor r = xf.abs().amax({1}, true).clamp_min(1e-12);
@@ -114,7 +121,7 @@ at::Tensor batched(const Lin& l, const at::Tensor& x) {
 }
 
 at::Tensor apply(const Lin& l, const at::Tensor& x) {
-  if (!l.packed.isNone() && x.size(0) > l.stream_rows) return batched(l, x);
+  if ((!l.packed.isNone() || l.amx_w.defined()) && x.size(0) > l.stream_rows) return batched(l, x);
   c10::optional<at::Tensor> b = l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt;
   if (l.kind == 1 || l.kind == 3) return int8_linear(x, l.w, l.scale, b, l.kind == 3);
   if (l.kind == 2 || l.kind == 4) {  // the group size: K / (number of groups)
@@ -332,6 +339,16 @@ class FusedDecoder {
     TORCH_CHECK(lins[j]->packed.isObject(), "set_batched: a prepacked fbgemm weight (quantized::linear_prepack)");
     lins[j]->stream_rows = stream_rows;
     lins[j]->reduce_range = reduce_range;
+  }
+
+  // The same with the int8 copy in AMX tiles (quant/int8_gemm.py AmxWeight).
+  void set_batched_amx(int64_t i, int64_t j, at::Tensor packed, at::Tensor scale, int64_t stream_rows) {
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers_.size()) && j >= 0 && j < 4, "set_batched_amx: layer, linear");
+    Layer& l = layers_[i];
+    Lin* lins[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+    lins[j]->amx_w = packed;
+    lins[j]->amx_scale = scale;
+    lins[j]->stream_rows = stream_rows;
   }
 
   void set_head(int64_t kind, at::Tensor w, c10::optional<at::Tensor> scale) {
@@ -648,6 +665,8 @@ void bind_fused_decoder(pybind11::module& m) {
       .def("set_batched", &FusedDecoder::set_batched,
            "layer, linear (0 qkv, 1 o, 2 gate_up, 3 down), fbgemm packed weight, stream_rows, reduce_range: past "
            "stream_rows rows that linear takes fbgemm's int8 GEMM")
+      .def("set_batched_amx", &FusedDecoder::set_batched_amx,
+           "layer, linear, AMX-packed int8 weight, float32 scales, stream_rows: as set_batched, on AMX tiles")
       .def("set_kv_scales", &FusedDecoder::set_kv_scales, "per layer [2, num_blocks, block_size, NKV] float32: "
            "the caches are int8 (--kv-cache-dtype int8)")
       .def("set_phase_timing", &FusedDecoder::set_phase_timing, "on/off: time each phase of the steps (PhaseClock)")
