@@ -23,6 +23,9 @@ def test_weights_move_into_one_arena_and_outputs_stay(checkpoint_factory, monkey
     if huge_pages.thp_mode() in ("never", "none"):
         pytest.skip("no transparent huge pages here: nothing moves")
     path = checkpoint_factory("qwen3")
+    # Both loads stream the same rows: chosen by timing at load (quant/autotune.py), the 6-row prefill below could
+    # take the streaming kernel in one and the int8 GEMM (AMX's, fast at a few rows) in the other, another product.
+    monkeypatch.setenv("LEVERLAB_STREAM_ROWS", "16")
     monkeypatch.setenv("LEVERLAB_NO_HUGE_PAGES", "1")
     before = load_model(path, "bfloat16", quantization=quantization)
     assert huge_pages.move_to_huge_pages(before) == 0  # the switch: nothing moves

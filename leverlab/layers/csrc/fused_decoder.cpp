@@ -104,8 +104,9 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& packed, const 
 
 namespace {
 
-// fbgemm's dynamic-quantization linear, op for op as quant/int8_gemm.py's int8_linear (each row divided by its
-// own max|x| first, the result scaled back) and the quant methods' apply (bias added in the activations' dtype).
+// The batched int8 GEMM, op for op as quant/int8_gemm.py's int8_linear and the quant methods' apply (bias added in
+// the activations' dtype): our AMX kernel where the weight is packed for it, else fbgemm's dynamic-quantization
+// linear (each row divided by its own max|x| first, the result scaled back).
 at::Tensor batched(const Lin& l, const at::Tensor& x) {
   if (l.amx_w.defined()) {
     at::Tensor y = amx_int8_linear(x, l.amx_w, l.amx_scale);
