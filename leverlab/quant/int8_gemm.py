@@ -131,7 +131,8 @@ def int8_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
     if isinstance(w, AmxWeight):  # packed so only where the kernels run AMX
         from leverlab.layers.cpu_kernels import kernels
 
-        return kernels().amx_int8_linear(x, w.packed, w.scales)
+        xs = x if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else x.float()  # the kernel's types
+        return kernels().amx_int8_linear(xs, w.packed, w.scales).to(x.dtype)
     xf = x.float()
     r = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)  # [M, 1]
     y = torch.ops.quantized.linear_dynamic(xf / r, _PACKED[key], REDUCE_RANGE)

@@ -73,10 +73,12 @@ def test_quantized_layers_batch_on_amx_tiles_where_they_run():
         assert torch.equal(layer(x), reference(x, q, s) + layer.bias)
 
 
-def test_refuses_a_weight_that_does_not_fit_x():
+def test_refuses_a_weight_that_does_not_fit_x_and_an_unsupported_dtype():
     k = int8_gemm.amx_kernels()
     if k is None:
         pytest.skip("no AMX int8 on this CPU or build")
     w = int8_gemm.pack_amx(*_weight(32, 64))
     with pytest.raises(RuntimeError, match="do not match the packed weight"):
         k.amx_int8_linear(torch.randn(2, 128), w.packed, w.scales)
+    with pytest.raises(RuntimeError, match="bfloat16, float16 or float32"):
+        k.amx_int8_linear(torch.randn(2, 64, dtype=torch.float64), w.packed, w.scales)

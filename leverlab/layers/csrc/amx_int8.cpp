@@ -191,6 +191,9 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& packed, const 
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.size(2) == 16 &&
                   packed.size(3) == kDepth && packed.size(0) % 2 == 0,
               "amx_int8_linear: x [M, K], packed int8 [Np/16, Kp/64, 16, 64] with Np a multiple of 32");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat,
+              "amx_int8_linear: x must be bfloat16, float16 or float32, not ", dt);
   const int64_t M = x.size(0), K = x.size(1), Np = packed.size(0) * 16, Kp = packed.size(1) * kDepth;
   const int64_t N = w_scale.numel();
   TORCH_CHECK(K <= Kp && Kp < K + kDepth && N <= Np && Np < N + kCols && w_scale.scalar_type() == at::kFloat,
@@ -200,7 +203,7 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& packed, const 
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
 #ifdef LEVERLAB_AMX
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "amx_int8_linear", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dt, "amx_int8_linear", [&] {  // not double: checked
     amx_gemm<scalar_t>(xc.data_ptr<scalar_t>(), M, K, pc.data_ptr<int8_t>(), Np, Kp, sc.data_ptr<float>(), N,
                        y.data_ptr<scalar_t>());
   });
