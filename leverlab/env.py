@@ -1,4 +1,4 @@
-"""Every LEVERLAB_* environment variable and the cache folder, in one place (no layer imports the engine for them).
+"""Every LEVERLAB_* environment variable, the cache folder and the CPU's flags, in one place (no layer imports the engine for them).
 
 | variable                      | effect                                                                  |
 |-------------------------------|-------------------------------------------------------------------------|
@@ -32,6 +32,16 @@ def get(name: str, default: str) -> str:
 def flag(name: str) -> bool:
     """A switch that is on when set to 1."""
     return os.environ.get(name) == "1"
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo ("avx512_vnni", "amx_tile", ...); empty off Linux."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), ":")
+    except OSError:
+        return frozenset()
+    return frozenset(line.split(":", 1)[1].split())
 
 
 def cache_dir() -> Path:

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from leverlab import env
+
 VERSION = "0.3.36"  # llama-cpp-python, which pins the llama.cpp commit built here
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-server", "llama-quantize")
 # our precision name -> llama.cpp file type of the same role
@@ -34,9 +36,7 @@ class PeerError(RuntimeError):
 
 
 def default_dir() -> Path:
-    from leverlab.env import cache_dir  # the project's cache root ($LEVERLAB_CACHE)
-
-    return cache_dir() / "llamacpp" / VERSION
+    return env.cache_dir() / "llamacpp" / VERSION  # the project's cache root ($LEVERLAB_CACHE)
 
 
 def _run(cmd: list, log: Path, cwd: Path | None = None, env: dict | None = None) -> None:
@@ -95,16 +95,7 @@ def binaries(root: Path) -> dict[str, Path]:
     return {t: root / "build" / "bin" / t for t in TARGETS}
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty off Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line for line in f if line.startswith("flags")), ":").split(":", 1)[1].split())
-    except OSError:
-        return set()
-
-
-def build_flags(flags: set[str] | None = None) -> list[str]:
+def build_flags(flags: frozenset[str] | set[str] | None = None) -> list[str]:
     """Extra compiler flags for this CPU's build, on top of GGML_NATIVE's -march=native.
 
     Where the CPU has AMX, -march=native compiles ggml's AMX matmul (ggml-cpu/amx), which in the llama.cpp that
@@ -113,7 +104,7 @@ def build_flags(flags: set[str] | None = None) -> list[str]:
     the stack, where the compiler may drop its stores (llama.cpp pull request #26954). A user would build it
     without that path, so the peer does too; explicit -mno- flags win over -march=native in any order.
     """
-    flags = cpu_flags() if flags is None else flags
+    flags = env.cpu_flags() if flags is None else flags
     return ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"] if "amx_tile" in flags else []
 
 

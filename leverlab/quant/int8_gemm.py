@@ -34,12 +34,7 @@ FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
 
 
 def _has_vnni() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_vnni" in flags or "avx_vnni" in flags
+    return bool({"avx512_vnni", "avx_vnni"} & env.cpu_flags())
 
 
 # Without VNNI (AVX2: Zen 2/3, Haswell..Skylake client) fbgemm multiplies u8 activations by s8 weights with

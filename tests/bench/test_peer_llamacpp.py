@@ -59,7 +59,7 @@ def test_amx_cpus_build_without_ggmls_amx_matmul(tmp_path, monkeypatch):
     monkeypatch.setattr(peer, "_cmake", no_build)
     for cpu, built_with, reused in ((set(), None, True), (set(), [], True), ({"amx_tile"}, None, False),
                                     ({"amx_tile"}, amx, True), (set(), amx, False)):
-        monkeypatch.setattr(peer, "cpu_flags", lambda cpu=cpu: cpu)
+        monkeypatch.setattr(peer.env, "cpu_flags", lambda cpu=cpu: cpu)
         stamp.unlink(missing_ok=True)
         if built_with is not None:
             stamp.write_text(json.dumps(built_with))

@@ -331,25 +331,29 @@ class FusedDecoder {
     }
   }
 
-  // Layer i's linear j (0 qkv, 1 o, 2 gate_up, 3 down) takes fbgemm's GEMM past stream_rows rows.
-  void set_batched(int64_t i, int64_t j, const torch::jit::Object& packed, int64_t stream_rows, bool reduce_range) {
-    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers_.size()) && j >= 0 && j < 4, "set_batched: layer, linear");
+  // Layer i's linear j (0 qkv, 1 o, 2 gate_up, 3 down); `who` names the caller in the error.
+  Lin& linear(int64_t i, int64_t j, const char* who) {
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers_.size()) && j >= 0 && j < 4, who, ": layer, linear");
     Layer& l = layers_[i];
     Lin* lins[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
-    lins[j]->packed = c10::IValue(packed._ivalue());
-    TORCH_CHECK(lins[j]->packed.isObject(), "set_batched: a prepacked fbgemm weight (quantized::linear_prepack)");
-    lins[j]->stream_rows = stream_rows;
-    lins[j]->reduce_range = reduce_range;
+    return *lins[j];
+  }
+
+  // Layer i's linear j takes fbgemm's GEMM past stream_rows rows.
+  void set_batched(int64_t i, int64_t j, const torch::jit::Object& packed, int64_t stream_rows, bool reduce_range) {
+    Lin& lin = linear(i, j, "set_batched");
+    lin.packed = c10::IValue(packed._ivalue());
+    TORCH_CHECK(lin.packed.isObject(), "set_batched: a prepacked fbgemm weight (quantized::linear_prepack)");
+    lin.stream_rows = stream_rows;
+    lin.reduce_range = reduce_range;
   }
 
   // The same with the int8 copy in AMX tiles (quant/int8_gemm.py AmxWeight).
   void set_batched_amx(int64_t i, int64_t j, at::Tensor packed, at::Tensor scale, int64_t stream_rows) {
-    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers_.size()) && j >= 0 && j < 4, "set_batched_amx: layer, linear");
-    Layer& l = layers_[i];
-    Lin* lins[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
-    lins[j]->amx_w = packed;
-    lins[j]->amx_scale = scale;
-    lins[j]->stream_rows = stream_rows;
+    Lin& lin = linear(i, j, "set_batched_amx");
+    lin.amx_w = packed;
+    lin.amx_scale = scale;
+    lin.stream_rows = stream_rows;
   }
 
   void set_head(int64_t kind, at::Tensor w, c10::optional<at::Tensor> scale) {
