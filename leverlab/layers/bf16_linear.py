@@ -9,6 +9,12 @@ groups of 8 over pairs of weight rows, 1.2x oneDNN's GEMM at 16 rows and level w
 10); with AVX2 + FMA only (Zen 2/3, older Intel) aten's bf16 GEMM is emulated, and was 4x slower than ours at
 16 rows. Larger batches, prefill and other dtypes keep aten's linear.
 
+On CPUs with AMX (Sapphire Rapids and later) the same rows go to AMX tiles instead (csrc/amx_bf16.cpp: 1..32 rows,
+W read in place): there vdpbf16ps computes at ~45 G multiply-adds a second on two cores, so 16 rows computed for
+about three times as long as the weights took to read, and tiles keep every row count up to 32 a memory stream
+(session 42: batch-16 bf16 decode of the Qwen3-0.6B shape 2.4x, a single stream 1.14x). LEVERLAB_NO_AMX=1 keeps
+the streaming kernel.
+
 The kernel is reached through one op registered in C++, `torch.ops.leverlab_cpu.linear_bf16`, which picks
 kernel or aten by the row count at run time: a compiled model treats it as one opaque call (no graph guard
 on the row count), and the dispatch costs about a microsecond in eager and compiled modes alike.
@@ -42,6 +48,14 @@ def wanted(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dim() == 2 and not (x.requires_grad or weight.requires_grad) and available())
 
 
+def on_tiles(in_features: int) -> bool:
+    """Whether decode rows of a bf16 layer with this many inputs run on AMX tiles here (no software prefetch there,
+    so the loader's prefetch measurement has nothing to choose for them)."""
+    k = cpu_kernels.kernels() if available() else None
+    return k is not None and bool(k.amx_bf16_enabled()) and in_features % 32 == 0
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [T, in] bf16, weight [out, in] bf16 -> [T, out]: our kernel for T <= 8 rows, aten's otherwise."""
+    """x [T, in] bf16, weight [out, in] bf16 -> [T, out]: AMX tiles or our streaming kernel for T <= 32 rows,
+    aten's otherwise."""
     return torch.ops.leverlab_cpu.linear_bf16(x, weight, bias)

@@ -42,7 +42,7 @@ import time
 import torch
 
 from leverlab import env
-from leverlab.layers import cpu_kernels
+from leverlab.layers import bf16_linear, cpu_kernels
 from leverlab.layers.linear import Linear
 
 log = logging.getLogger("leverlab")
@@ -66,10 +66,11 @@ def _bytes(layer: Linear) -> int:
 
 
 def family(layer: Linear) -> str | None:
-    """The kernel family (csrc/stream_hint.h) that streams this layer's weights at one row; None: none of ours."""
+    """The kernel family (csrc/stream_hint.h) that streams this layer's weights at one row; None: none of ours, or
+    one that issues no software prefetch (bf16 rows on AMX tiles)."""
     m = layer.quant_method
     if m is None:
-        return "bf16"
+        return None if bf16_linear.on_tiles(layer.in_features) else "bf16"
     weights = m.fused_weights(layer)  # (kind, tensors): the kernel the layer's decode runs (models/fused.py)
     return None if weights is None else {0: "bf16", 1: "int8", 2: "int4", 3: "int8", 4: "int6"}.get(weights[0])
 

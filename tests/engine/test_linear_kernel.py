@@ -72,7 +72,7 @@ def test_float32_and_autograd_keep_aten():
     assert not bf16_linear.wanted(torch.randn(1, 8, dtype=torch.bfloat16), w)
 
 
-def test_prefetch_is_measured_at_load_and_off_by_env(checkpoint_factory, monkeypatch):
+def test_prefetch_is_measured_at_load_and_off_by_env(checkpoint_factory, monkeypatch, request):
     """The loader times a pass over each kernel family's linear layers in each weight-prefetch mode and keeps the
     family's fastest (layers/prefetch_tune.py); LEVERLAB_STREAM_PREFETCH sets one for every family without
     measuring, LEVERLAB_NO_STREAM_PREFETCH=1 turns it off, and an unknown mode or family is refused."""
@@ -83,6 +83,9 @@ def test_prefetch_is_measured_at_load_and_off_by_env(checkpoint_factory, monkeyp
     if kern is None:
         pytest.skip("no C++ kernels here")
     monkeypatch.setattr(prefetch_tune, "_largest_tuned", 0)  # before the load: larger models loaded by other tests
+    if kern.amx_bf16_enabled():  # bf16 rows on AMX tiles prefetch nothing (test_amx_bf16.py): stream them here
+        kern.set_amx_bf16(False)
+        request.addfinalizer(lambda: kern.set_amx_bf16(True))
     model = load_model(checkpoint_factory("qwen3"), "bfloat16")
     choice = prefetch_tune.tune(model)
     assert list(choice) == ["bf16"] and choice["bf16"] in ("nta", "t0", "off")

@@ -23,11 +23,9 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__) && defined(__linux__)
+#include "amx_util.h"
+#if defined(LEVERLAB_AMX_TILE) && defined(__AMX_INT8__)
 #define LEVERLAB_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace {
@@ -38,25 +36,6 @@ constexpr int64_t kDepth = 64;     // K bytes per tile row
 constexpr int64_t kChunkRows = 256;  // activation rows whose int8 copy stays in L2 while every column passes
 
 #ifdef LEVERLAB_AMX
-// Linux keeps AMX's tile data disabled for a process until it asks (arch_prctl ARCH_REQ_XCOMP_PERM); the grant
-// holds for every thread of the process. Asked once.
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-// Palette 1, all eight tiles 16 rows x 64 bytes. A constant in read-only memory: a configuration built on the
-// stack can lose its stores to the optimizer, which does not see LDTILECFG read them (llama.cpp #26954).
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-constexpr TileConfig kConfig = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
-
 // 16 elements of x as float32 (bf16: its bits shifted up; fp16: converted; float: loaded).
 template <typename T>
 inline __m512 load16(const T* p) {
@@ -159,7 +138,7 @@ void amx_gemm(const T* x, int64_t M, int64_t K, const int8_t* packed, int64_t Np
   for (int64_t c0 = 0; c0 < Mp; c0 += kChunkRows) {
     const int64_t c1 = std::min(Mp, c0 + kChunkRows);
     at::parallel_for(0, col_blocks, 1, [&](int64_t nb0, int64_t nb1) {
-      _tile_loadconfig(&kConfig);
+      _tile_loadconfig(&amx::kConfig);
       alignas(64) int32_t c[kRows * kCols];
       for (int64_t nb = nb0; nb < nb1; ++nb) {
         const int8_t* b0 = packed + (2 * nb) * tiles_per_col * 1024;
@@ -180,7 +159,7 @@ void amx_gemm(const T* x, int64_t M, int64_t K, const int8_t* packed, int64_t Np
 
 bool amx_int8_available() {
 #ifdef LEVERLAB_AMX
-  return amx_permitted();
+  return amx::permitted();
 #else
   return false;
 #endif

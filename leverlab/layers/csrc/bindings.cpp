@@ -27,6 +27,9 @@ bool has_int6_stream();
 void bind_fused_decoder(pybind11::module& m);
 bool amx_int8_available();
 at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale);
+bool amx_bf16_enabled();
+bool set_amx_bf16(bool on);
+torch::Tensor amx_bf16_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
 
 namespace {
 int stream_family(const std::string& name) {  // -1: not a family
@@ -78,6 +81,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_int8_linear", &amx_int8_linear, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("w_scale"),
         "y = (q(x) W^T) * s_x * s_w on AMX tiles for any number of rows: W int8 packed [Np/16, Kp/64, 16, 64] "
         "(quant/int8_gemm.py pack_amx), float32 s_w [N]; x quantized per row, symmetric");
+  m.def("amx_bf16_enabled", &amx_bf16_enabled,
+        "whether linear_bf16 takes 1..32 bf16 rows on AMX tiles: built with AMX-BF16, the OS grants tiles, not "
+        "switched off (LEVERLAB_NO_AMX=1, set_amx_bf16)");
+  m.def("set_amx_bf16", &set_amx_bf16, pybind11::arg("on"),
+        "switch the AMX bf16 path on or off (A/B runs in one process); returns whether it is on");
+  m.def("amx_bf16_linear", &amx_bf16_linear, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"),
+        "y = x W^T (+ b) in bfloat16 on AMX tiles for 1..32 rows, W [N, K] as stored, K a multiple of 32");
   m.def("quant_max_rows", &quant_max_rows, "the most activation rows the streaming int8/int4 kernels take");
   m.def("set_stream_prefetch",
         [](const std::string& kind, const std::string& family) {

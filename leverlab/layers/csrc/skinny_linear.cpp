@@ -392,11 +392,16 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
 }
 
 
-// The op that models call (leverlab_cpu::linear_bf16): our kernel for 1..skinny_max_rows() contiguous rows, aten's linear for
+bool amx_bf16_takes(const torch::Tensor& x, const torch::Tensor& w);
+torch::Tensor amx_bf16_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+
+// The op that models call (leverlab_cpu::linear_bf16): on AMX tiles where the CPU has them (amx_bf16.cpp: 1..32 rows,
+// K a multiple of 32), else our streaming kernel for 1..skinny_max_rows() contiguous rows, aten's linear for
 // anything else (prefill chunks, larger batches). Registered with the dispatcher in C++ so that a call costs
 // about a microsecond: the same op defined in Python cost ~8 us per call, ~0.8 ms of a 0.6B decode step.
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   const bool bf16 = x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16;
+  if (bf16 && amx_bf16_takes(x, w)) return amx_bf16_linear(x, w, bias);
   if (bf16 && x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= skinny_max_rows() && x.stride(1) == 1 && w.is_contiguous())
     return skinny_linear(x, w, bias);
 #if !defined(__AVX512BF16__)
