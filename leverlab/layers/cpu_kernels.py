@@ -30,8 +30,9 @@ def kernels():
 
         build = env.cache_dir() / "cpp_kernels"
         build.mkdir(parents=True, exist_ok=True)
-        sources = [str(SRC / name) for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp", "quant_linear.cpp",
-                                                   "fused_decoder.cpp", "amx_int8.cpp", "amx_bf16.cpp")]
+        sources = [str(SRC / name) for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp",
+                                                   "quant_linear.cpp", "fused_decoder.cpp", "amx_int8.cpp",
+                                                   "amx_bf16.cpp")]
         # torch's own build lock is a plain file: a build killed midway (Ctrl-C during the first start) leaves
         # it behind and every later start waits on it forever, silently. An flock dies with its holder, so
         # whoever holds ours knows that any torch lock still present is stale.

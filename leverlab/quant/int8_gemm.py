@@ -12,9 +12,9 @@ divided by its own max|x| first, so every row spans [-1, 1] and gets the same re
 neighbours (a loud prefill token cannot coarsen the others), and y = r * (x / r) W^T is scaled back.
 
 On CPUs with AMX int8 (Intel Sapphire Rapids and later) the same op runs our AMX tile GEMM instead
-(layers/csrc/amx_int8.cpp): per-row symmetric int8 activations (the same resolution as above), the weight packed
-into tiles once. fbgemm's VNNI kernel ran the Qwen3-0.6B shape's prefill GEMMs at about a sixth of the tiles' rate
-there. LEVERLAB_NO_AMX=1 keeps fbgemm.
+(layers/csrc/amx_int8.cpp): per-row symmetric int8 activations (the same resolution as above), the weight kept as
+zero-padded int8 rows whose 16 x 64-byte blocks are the tiles. fbgemm's VNNI kernel ran the Qwen3-0.6B shape's
+prefill GEMMs at about a sixth of the tiles' rate there. LEVERLAB_NO_AMX=1 keeps fbgemm.
 """
 
 from __future__ import annotations
@@ -64,29 +64,24 @@ def available() -> bool:
 
 @dataclass(frozen=True)
 class AmxWeight:
-    """An int8 weight in AMX tiles (amx_int8.cpp's layout) and its per-row scales."""
+    """An int8 weight as amx_int8.cpp reads it (its rows are the A tiles) and its per-row scales."""
 
-    packed: torch.Tensor  # int8 [Np/16, Kp/64, 16, 64]: Np = N rounded up to 32, Kp = K to 64, zero padding
+    packed: torch.Tensor  # int8 [Np, Kp]: N rounded up to 32, K to 64, zero padding
     scales: torch.Tensor  # float32 [N]
     shape: tuple[int, int]  # (N, K)
 
 
 def pack_amx(q: torch.Tensor, scales: torch.Tensor) -> AmxWeight:
-    """q int8 [N, K] in B tiles: tile (nb, kc) row r holds k = 64 kc + 4 r .. + 3 of columns 16 nb .. + 15, four
-    bytes a column (the order TDPBSSD reads)."""
+    """q int8 [N, K] padded with zeros to [Np, Kp]: 16 rows x 64 bytes of it is one A tile."""
     n, k = q.shape
-    np_, kp = -(-n // 32) * 32, -(-k // 64) * 64
-    qp = torch.zeros(np_, kp, dtype=torch.int8)
-    qp[:n, :k] = q
-    packed = qp.view(np_ // 16, 16, kp // 64, 16, 4).permute(0, 2, 3, 1, 4).reshape(np_ // 16, kp // 64, 16, 64)
-    return AmxWeight(packed.contiguous(), scales.float().contiguous(), (n, k))
+    packed = torch.zeros(-(-n // 32) * 32, -(-k // 64) * 64, dtype=torch.int8)
+    packed[:n, :k] = q
+    return AmxWeight(packed, scales.float().contiguous(), (n, k))
 
 
 def unpack_amx(w: AmxWeight) -> torch.Tensor:
-    """The int8 [N, K] weight back out of its tiles."""
-    nb, kc = w.packed.shape[:2]
-    q = w.packed.view(nb, kc, 16, 16, 4).permute(0, 3, 1, 2, 4).reshape(nb * 16, kc * 64)
-    return q[: w.shape[0], : w.shape[1]].contiguous()
+    """The int8 [N, K] weight without its padding."""
+    return w.packed[: w.shape[0], : w.shape[1]].contiguous()
 
 
 def pack(owner: object, q: torch.Tensor, scales: torch.Tensor) -> int:

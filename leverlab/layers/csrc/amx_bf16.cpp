@@ -12,8 +12,8 @@
 // as TILELOADD reads it, so nothing is repacked and no second copy is kept. x is the B tile: TDPBF16PS wants B's
 // row r to hold the pairs (k = 2r, 2r + 1) of 16 columns, so x is packed per call (pack_x) as
 // [K/32][Mb][16 r][16 m] pairs of bf16, Mb = 1 or 2 groups of 16 rows, zero past M. C = A B is then y^T,
-// [16 n][16 m] float32; store_block transposes it on the way out (two gathers per activation row of a 32-row
-// block), adds the bias and rounds to bf16 once (vcvtne2ps2bf16: to nearest even, as aten rounds).
+// [16 n][16 m] float32; store_block transposes it on the way out (in registers, amx_util.h), adds the bias and
+// rounds to bf16 once (vcvtne2ps2bf16: to nearest even, as aten rounds).
 // Each step of the inner loop takes 32 weight rows (two A tiles) against one or two B tiles: 2 or 4 C tiles.
 //
 // Numerics: fp32 sums in tile order over K. A row's result depends neither on the other rows of the batch nor on
@@ -102,23 +102,32 @@ inline void block_sums(const uint16_t* w, int64_t K, const uint32_t* xb, float* 
   }
 }
 
-// y[m, n0 .. n0 + rows) = c[., m] + bias for each activation row m: column m of c gathered, rounded, stored.
+// y[m, n0 .. n0 + rows) = c[., m] + bias for each activation row m: each 16 x 16 quadrant of c transposed in
+// registers (amx::transpose16), then a row's 32 sums rounded to bf16 together.
 template <int Mb>
 inline void store_block(const float* c, int64_t M, const float* bias, int64_t n0, int64_t rows, uint16_t* y,
                         int64_t N) {
   constexpr int ldc = 16 * Mb;
-  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                         _mm512_set1_epi32(ldc));
   const __mmask32 keep = rows >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << rows) - 1);
   __m512 b_lo = _mm512_setzero_ps(), b_hi = _mm512_setzero_ps();
   if (bias) {
     b_lo = _mm512_maskz_loadu_ps(static_cast<__mmask16>(keep), bias + n0);
     b_hi = _mm512_maskz_loadu_ps(static_cast<__mmask16>(keep >> 16), bias + n0 + 16);
   }
-  for (int64_t m = 0; m < M; ++m) {
-    const __m512 lo = _mm512_add_ps(_mm512_i32gather_ps(idx, c + m, 4), b_lo);
-    const __m512 hi = _mm512_add_ps(_mm512_i32gather_ps(idx, c + 16 * ldc + m, 4), b_hi);
-    _mm512_mask_storeu_epi16(y + m * N + n0, keep, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+  for (int h = 0; h < Mb && 16 * h < M; ++h) {
+    __m512i lo[16], hi[16];  // weight rows 0..15 and 16..31 of activation rows 16 h .. + 15
+    for (int i = 0; i < 16; ++i) {
+      lo[i] = _mm512_castps_si512(_mm512_loadu_ps(c + i * ldc + 16 * h));
+      hi[i] = _mm512_castps_si512(_mm512_loadu_ps(c + (16 + i) * ldc + 16 * h));
+    }
+    amx::transpose16(lo);
+    amx::transpose16(hi);
+    for (int64_t j = 0; j < 16 && 16 * h + j < M; ++j) {
+      const __m512 l = _mm512_add_ps(_mm512_castsi512_ps(lo[j]), b_lo);
+      const __m512 u = _mm512_add_ps(_mm512_castsi512_ps(hi[j]), b_hi);
+      _mm512_mask_storeu_epi16(y + (16 * h + j) * N + n0, keep,
+                               reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(u, l)));
+    }
   }
 }
 
@@ -164,7 +173,8 @@ bool amx_bf16_takes(const torch::Tensor& x, const torch::Tensor& w) {
          x.size(1) % kDepth == 0 && w.dim() == 2 && w.size(1) == x.size(1) && w.is_contiguous();
 }
 
-torch::Tensor amx_bf16_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+torch::Tensor amx_bf16_linear(const torch::Tensor& x, const torch::Tensor& w,
+                              const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "amx_bf16_linear: bfloat16");
   TORCH_CHECK(amx_bf16_enabled(), "amx_bf16_linear: off here (no AMX-BF16 in this build or CPU, or LEVERLAB_NO_AMX=1)");
   TORCH_CHECK(amx_bf16_takes(x, w), "amx_bf16_linear: x [1..", kMaxRows, ", K] with contiguous rows, w [N, K] "

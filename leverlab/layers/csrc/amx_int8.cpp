@@ -7,15 +7,21 @@
 // multiply-adds per second, oneDNN's AMX bf16 matmul at ~310, while a plain tile loop here ran 650-1,300: so an
 // int8 or int4 model prefilled at half the rate of the same model in bf16.
 //
-// Layout. The weight is packed once (quant/int8_gemm.py pack_amx) as [Np/16, Kp/64, 16, 64] int8: block (nb, kc)
-// is one B tile, its row r holding k = 64 kc + 4 r .. + 3 for the 16 output columns nb*16 .. + 15, four bytes each
-// (the VNNI order TDPBSSD reads). Np is a multiple of 32 and Kp of 64, padded with zeros. Activations are quantized
-// per row, symmetric: q = round(x * 127 / max|x|), s_x = max|x| / 127, into a zero-padded [Mp, Kp] buffer, Mp a
-// multiple of 32. Each step of the inner loop multiplies 32 rows by 32 columns: two A tiles, two B tiles, four C
-// tiles of int32 sums (|sum| <= K * 127 * 127 fits int32 for K < 133,000).
+// Layout. The weight is held as plain int8 rows, [Np, Kp] (quant/int8_gemm.py pack_amx): Np a multiple of 32, Kp of
+// 64, padded with zeros. 16 of its rows x 64 bytes (stride Kp) is an A tile, so the weight is the A operand and the
+// activations the B one, as in amx_bf16.cpp: C = A B is y^T. Activations are quantized per row, symmetric:
+// q = round(x * 127 / max|x|), s_x = max|x| / 127, straight into B tiles, [Mp/16][Kp/64][16 r][16 m][4] bytes
+// (row r of a tile holds k = 4r .. 4r + 3 of 16 activation rows, the VNNI order TDPBSSD reads), Mp a multiple of
+// 32, zero past M. Each step of the inner loop multiplies 32 weight rows by 32 activation rows: two A tiles, two B
+// tiles, four C tiles of int32 sums (|sum| <= K * 127 * 127 fits int32 for K < 133,000).
+// Why the weight is A (session 42): held as B tiles (each 16 columns' 64 bytes of K in VNNI order, a tile 1 KB
+// contiguous, as session 41 had it) the weight streamed at 8-10 GB/s at 1-32 rows, a pass over the Qwen3-0.6B
+// shape's 112 matrices taking 44-52 ms, so a batch of 16 int8 sequences decoded no faster than bf16's; as rows
+// read 32 at a time the same pass took 24-28 ms (16-18 GB/s, two threads), and decode batches are memory streams.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include "row_split.h"
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -30,10 +36,10 @@
 
 namespace {
 
-constexpr int64_t kRows = 32;      // activation rows per step (two A tiles)
-constexpr int64_t kCols = 32;      // output columns per step (two B tiles)
+constexpr int64_t kRows = 32;      // activation rows per step (two B tiles)
+constexpr int64_t kCols = 32;      // weight rows (output columns) per step (two A tiles)
 constexpr int64_t kDepth = 64;     // K bytes per tile row
-constexpr int64_t kChunkRows = 256;  // activation rows whose int8 copy stays in L2 while every column passes
+constexpr int64_t kChunkRows = 256;  // activation rows whose B tiles stay in L2 while every weight row passes
 
 #ifdef LEVERLAB_AMX
 // 16 elements of x as float32 (bf16: its bits shifted up; fp16: converted; float: loaded).
@@ -49,11 +55,12 @@ inline __m512 load16(const T* p) {
   }
 }
 
-// Rows [m0, m1) of x quantized into qa ([Mp, Kp], padding already zero) with their scales s_x. The vector and
-// scalar parts round alike (to nearest even: VCVTPS2DQ under the default MXCSR, std::nearbyint), so a row's
-// int8 values do not depend on K's remainder; quant/int8_gemm.py's reference computes the same.
+// Rows [m0, m1) of x quantized into B tiles xb ([Mp/16][Kp/64][16][16][4], padding already zero) with their
+// scales s_x. The vector and scalar parts round alike (to nearest even: VCVTPS2DQ under the default MXCSR,
+// std::nearbyint), so a row's int8 values do not depend on K's remainder; quant/int8_gemm.py's reference computes
+// the same. `row` is scratch of Kp bytes.
 template <typename T>
-void quantize_rows(const T* x, int64_t K, int64_t Kp, int64_t m0, int64_t m1, int8_t* qa, float* sx) {
+void quantize_rows(const T* x, int64_t K, int64_t Kp, int64_t m0, int64_t m1, int8_t* xb, float* sx, int8_t* row) {
   for (int64_t m = m0; m < m1; ++m) {
     const T* xr = x + m * K;
     __m512 vmax = _mm512_setzero_ps();
@@ -63,90 +70,113 @@ void quantize_rows(const T* x, int64_t K, int64_t Kp, int64_t m0, int64_t m1, in
     for (; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(xr[k])));
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     sx[m] = amax / 127.f;
-    int8_t* q = qa + m * Kp;
     const __m512 vinv = _mm512_set1_ps(inv);
     for (k = 0; k + 16 <= K; k += 16) {
       const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xr + k), vinv));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtsepi32_epi8(v));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + k), _mm512_cvtsepi32_epi8(v));
     }
-    for (; k < K; ++k) q[k] = static_cast<int8_t>(std::nearbyint(static_cast<float>(xr[k]) * inv));
+    for (; k < K; ++k) row[k] = static_cast<int8_t>(std::nearbyint(static_cast<float>(xr[k]) * inv));
+    std::memset(row + K, 0, static_cast<size_t>(Kp - K));
+    // quad r of chunk kc goes to tile (m / 16, kc), row r, column m % 16
+    int8_t* d = xb + (m / 16) * (Kp / kDepth) * 1024 + (m % 16) * 4;
+    for (int64_t kc = 0; kc < Kp / kDepth; ++kc)
+      for (int r = 0; r < 16; ++r) std::memcpy(d + kc * 1024 + r * 64, row + kc * kDepth + 4 * r, 4);
   }
 }
 
-// One 32 x 32 block of sums: rows a (stride Kp) against column tiles b0, b1 (each Kp/64 tiles of 1 KB).
+// One block of sums, c [32 weight rows][32 activation rows]: the weight's rows a (stride Kp) against the B tiles of
+// Mb groups of 16 activation rows, b0 and b1 (each Kp/64 tiles of 1 KB). A decode batch of 16 rows or fewer takes
+// one group (Mb = 1): half the tile products, which matter when the tiles are shared with a busy neighbour.
+template <int Mb>
 inline void block_sums(const int8_t* a, int64_t Kp, const int8_t* b0, const int8_t* b1, int32_t* c) {
   _tile_zero(0);
-  _tile_zero(1);
   _tile_zero(2);
-  _tile_zero(3);
+  if constexpr (Mb == 2) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
   for (int64_t kc = 0; kc < Kp / kDepth; ++kc) {
     _tile_loadd(4, a + kc * kDepth, Kp);
     _tile_loadd(5, a + 16 * Kp + kc * kDepth, Kp);
     _tile_loadd(6, b0 + kc * 1024, 64);
-    _tile_loadd(7, b1 + kc * 1024, 64);
     _tile_dpbssd(0, 4, 6);
-    _tile_dpbssd(1, 4, 7);
     _tile_dpbssd(2, 5, 6);
-    _tile_dpbssd(3, 5, 7);
+    if constexpr (Mb == 2) {
+      _tile_loadd(7, b1 + kc * 1024, 64);
+      _tile_dpbssd(1, 4, 7);
+      _tile_dpbssd(3, 5, 7);
+    }
   }
-  _tile_stored(0, c, kCols * 4);
-  _tile_stored(1, c + 16, kCols * 4);
-  _tile_stored(2, c + 16 * kCols, kCols * 4);
-  _tile_stored(3, c + 16 * kCols + 16, kCols * 4);
+  _tile_stored(0, c, kRows * 4);
+  _tile_stored(2, c + 16 * kRows, kRows * 4);
+  if constexpr (Mb == 2) {
+    _tile_stored(1, c + 16, kRows * 4);
+    _tile_stored(3, c + 16 * kRows + 16, kRows * 4);
+  }
 }
 
-// 16 float32 results stored as T (bf16 rounded to nearest even in integer lanes, as c10 rounds finite values).
+// The lanes of `keep` of 16 float32 results stored as T (bf16 rounded to nearest even in integer lanes, as c10
+// rounds finite values).
 template <typename T>
-inline void store16(T* p, __m512 v) {
+inline void store16(T* p, __m512 v, __mmask16 keep) {
   if constexpr (std::is_same_v<T, float>) {
-    _mm512_storeu_ps(p, v);
+    _mm512_mask_storeu_ps(p, keep, v);
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const __m512i b = _mm512_castps_si512(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
     const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    _mm256_mask_storeu_epi16(p, keep, _mm512_cvtepi32_epi16(r));
   } else {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    _mm256_mask_storeu_epi16(p, keep, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
   }
 }
 
-// y[m, n] = sum * s_x[m] * s_w[n] for the block's valid rows and columns (the last block may be partial).
+// y[m, n] = sum * s_x[m] * s_w[n] for the block's valid activation rows and weight rows (the last block of either
+// may be partial): each 16 x 16 quadrant of c (weight rows by activation rows) transposed into 16 rows of y.
 template <typename T>
 void store_block(const int32_t* c, const float* sx, const float* sw, int64_t m0, int64_t rows, int64_t n0,
                  int64_t cols, T* y, int64_t N) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const __m512 s = _mm512_set1_ps(sx[m0 + i]);
-    T* yr = y + (m0 + i) * N + n0;
-    const int32_t* cr = c + i * kCols;
-    int64_t j = 0;
-    for (; j + 16 <= cols; j += 16) {
-      const __m512 v = _mm512_cvtepi32_ps(_mm512_loadu_si512(cr + j));
-      store16(yr + j, _mm512_mul_ps(_mm512_mul_ps(v, s), _mm512_loadu_ps(sw + n0 + j)));
+  const uint32_t keep = cols >= 32 ? ~0u : (1u << cols) - 1;
+  const __mmask16 keep_g[2] = {static_cast<__mmask16>(keep), static_cast<__mmask16>(keep >> 16)};
+  const __m512 sw_g[2] = {_mm512_maskz_loadu_ps(keep_g[0], sw + n0), _mm512_maskz_loadu_ps(keep_g[1], sw + n0 + 16)};
+  for (int64_t h = 0; 16 * h < rows; ++h) {
+    for (int g = 0; g < 2 && 16 * g < cols; ++g) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(c + (16 * g + i) * kRows + 16 * h);
+      amx::transpose16(r);  // r[j]: activation row 16 h + j, weight rows 16 g .. + 15
+      for (int64_t j = 0; j < 16 && 16 * h + j < rows; ++j) {
+        const int64_t m = m0 + 16 * h + j;
+        const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(r[j]), _mm512_set1_ps(sx[m])), sw_g[g]);
+        store16(y + m * N + n0 + 16 * g, v, keep_g[g]);
+      }
     }
-    for (; j < cols; ++j) yr[j] = static_cast<T>(static_cast<float>(cr[j]) * sx[m0 + i] * sw[n0 + j]);
   }
 }
 
 template <typename T>
 void amx_gemm(const T* x, int64_t M, int64_t K, const int8_t* packed, int64_t Np, int64_t Kp, const float* sw,
               int64_t N, T* y) {
-  const int64_t Mp = (M + kRows - 1) / kRows * kRows;
-  std::vector<int8_t> qa(static_cast<size_t>(Mp * Kp), 0);
+  const int64_t Mp = (M + kRows - 1) / kRows * kRows, tiles_per_row = Kp / kDepth;
+  std::vector<int8_t> xb(static_cast<size_t>(Mp * Kp), 0);
   std::vector<float> sx(static_cast<size_t>(Mp), 0.f);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { quantize_rows(x, K, Kp, m0, m1, qa.data(), sx.data()); });
-  const int64_t col_blocks = Np / kCols, tiles_per_col = Kp / kDepth;
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    std::vector<int8_t> row(static_cast<size_t>(Kp));
+    quantize_rows(x, K, Kp, m0, m1, xb.data(), sx.data(), row.data());
+  });
   for (int64_t c0 = 0; c0 < Mp; c0 += kChunkRows) {
     const int64_t c1 = std::min(Mp, c0 + kChunkRows);
-    at::parallel_for(0, col_blocks, 1, [&](int64_t nb0, int64_t nb1) {
+    parallel_rows(Np, [&](int64_t n0, int64_t n1) {  // chunks of 64 rows or more: whole blocks of 32
       _tile_loadconfig(&amx::kConfig);
-      alignas(64) int32_t c[kRows * kCols];
-      for (int64_t nb = nb0; nb < nb1; ++nb) {
-        const int8_t* b0 = packed + (2 * nb) * tiles_per_col * 1024;
-        const int8_t* b1 = b0 + tiles_per_col * 1024;
-        const int64_t n0 = nb * kCols, cols = std::min(kCols, N - n0);
+      alignas(64) int32_t c[kCols * kRows];
+      for (int64_t n = n0; n < n1 && n < N; n += kCols) {
+        const int64_t cols = std::min(kCols, N - n);
         for (int64_t m0 = c0; m0 < c1 && m0 < M; m0 += kRows) {
-          block_sums(qa.data() + m0 * Kp, Kp, b0, b1, c);
-          store_block(c, sx.data(), sw, m0, std::min(kRows, M - m0), n0, cols, y, N);
+          const int8_t* b0 = xb.data() + (m0 / 16) * tiles_per_row * 1024;
+          if (M - m0 <= 16)
+            block_sums<1>(packed + n * Kp, Kp, b0, nullptr, c);
+          else
+            block_sums<2>(packed + n * Kp, Kp, b0, b0 + tiles_per_row * 1024, c);
+          store_block(c, sx.data(), sw, m0, std::min(kRows, M - m0), n, cols, y, N);
         }
       }
       _tile_release();  // a thread holding no tile state saves and restores less on every context switch
@@ -167,13 +197,13 @@ bool amx_int8_available() {
 
 at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale) {
   TORCH_CHECK(amx_int8_available(), "amx_int8_linear: this build or CPU has no AMX int8 (amx_int8_available())");
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.size(2) == 16 &&
-                  packed.size(3) == kDepth && packed.size(0) % 2 == 0,
-              "amx_int8_linear: x [M, K], packed int8 [Np/16, Kp/64, 16, 64] with Np a multiple of 32");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.size(0) % kCols == 0 &&
+                  packed.size(1) % kDepth == 0,
+              "amx_int8_linear: x [M, K], packed int8 [Np, Kp] with Np a multiple of 32 and Kp of 64");
   const auto dt = x.scalar_type();
   TORCH_CHECK(dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat,
               "amx_int8_linear: x must be bfloat16, float16 or float32, not ", dt);
-  const int64_t M = x.size(0), K = x.size(1), Np = packed.size(0) * 16, Kp = packed.size(1) * kDepth;
+  const int64_t M = x.size(0), K = x.size(1), Np = packed.size(0), Kp = packed.size(1);
   const int64_t N = w_scale.numel();
   TORCH_CHECK(K <= Kp && Kp < K + kDepth && N <= Np && Np < N + kCols && w_scale.scalar_type() == at::kFloat,
               "amx_int8_linear: x's K ", K, " and w_scale's N ", N, " do not match the packed weight (", Np, " x ",

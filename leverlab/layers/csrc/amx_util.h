@@ -31,6 +31,33 @@ struct alignas(64) TileConfig {
 };
 inline constexpr TileConfig kConfig = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
 
+// r[0..15], 16 lanes of 32 bits each, transposed in registers: afterwards lane j of r[i] is what lane i of r[j]
+// was. The C tiles hold y transposed (weight rows by activation rows); this turns 16 x 16 of them into y's rows with
+// 64 shuffles, where gathering each row (16 lanes, stride a C row) had cost as much as the tile products at 32 rows.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 4) {  // pairs of 32-bit lanes, then of 64-bit lanes, within each 128-bit lane
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    t[i + 2] = _mm512_unpacklo_epi32(r[i + 2], r[i + 3]);
+    t[i + 3] = _mm512_unpackhi_epi32(r[i + 2], r[i + 3]);
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {  // then whole 128-bit lanes across the four groups of four rows
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
 }  // namespace amx
 
 #endif

@@ -79,7 +79,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_int8_available", &amx_int8_available,
         "whether amx_int8_linear runs here: built with AMX int8 (-march=native on such a CPU) and the OS grants tiles");
   m.def("amx_int8_linear", &amx_int8_linear, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("w_scale"),
-        "y = (q(x) W^T) * s_x * s_w on AMX tiles for any number of rows: W int8 packed [Np/16, Kp/64, 16, 64] "
+        "y = (q(x) W^T) * s_x * s_w on AMX tiles for any number of rows: W int8 [Np, Kp] zero-padded "
         "(quant/int8_gemm.py pack_amx), float32 s_w [N]; x quantized per row, symmetric");
   m.def("amx_bf16_enabled", &amx_bf16_enabled,
         "whether linear_bf16 takes 1..32 bf16 rows on AMX tiles: built with AMX-BF16, the OS grants tiles, not "
