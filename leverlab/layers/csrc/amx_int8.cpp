@@ -14,14 +14,13 @@
 // (row r of a tile holds k = 4r .. 4r + 3 of 16 activation rows, the VNNI order TDPBSSD reads), Mp a multiple of
 // 32, zero past M. Each step of the inner loop multiplies 32 weight rows by 32 activation rows: two A tiles, two B
 // tiles, four C tiles of int32 sums (|sum| <= K * 127 * 127 fits int32 for K < 133,000).
-// Why the weight is A (session 42): held as B tiles (each 16 columns' 64 bytes of K in VNNI order, a tile 1 KB
-// contiguous, as session 41 had it) the weight streamed at 8-10 GB/s at 1-32 rows, a pass over the Qwen3-0.6B
-// shape's 112 matrices taking 44-52 ms, so a batch of 16 int8 sequences decoded no faster than bf16's; as rows
-// read 32 at a time the same pass took 24-28 ms (16-18 GB/s, two threads), and decode batches are memory streams.
+// Why the weight is A (session 42): session 41 held it as B tiles (16 columns' 64 bytes of K in VNNI order, a tile
+// 1 KB contiguous). A pass over the Qwen3-0.6B shape's 112 matrices, both layouts alternating in one process (two
+// threads, medians of 8): 1 row 53.4 -> 36.3 ms in a busy spell, 29.9 -> 23.1 in a quiet one; 16 rows 58.6 -> 41.2
+// and 33.3 -> 25.2; 256 rows 310 -> 212; 32 rows 65.0 -> 67.1 (slower, left); 1,024 rows level.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
-#include "row_split.h"
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -30,6 +29,7 @@
 #include <vector>
 
 #include "amx_util.h"
+#include "row_split.h"
 #if defined(LEVERLAB_AMX_TILE) && defined(__AMX_INT8__)
 #define LEVERLAB_AMX 1
 #endif
