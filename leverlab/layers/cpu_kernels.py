@@ -60,6 +60,8 @@ def kernels():
     except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path
         log.warning("CPU kernels unavailable (%s); using the PyTorch path", e)
         return None
+    if env.flag("LEVERLAB_NO_AMX"):  # bf16 decode rows on the streaming kernel (the int8 GEMM: quant/int8_gemm.py)
+        module.set_amx_bf16(False)
     if module.has_skinny_linear():  # loading registered the op leverlab_cpu::linear_bf16 (skinny_linear.cpp)
         import torch
 

@@ -125,7 +125,7 @@ def int8_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
         return kernels().amx_int8_linear(xs, w.packed, w.scales).to(x.dtype)
     xf = x.float()
     r = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)  # [M, 1]
-    y = torch.ops.quantized.linear_dynamic(xf / r, _PACKED[key], REDUCE_RANGE)
+    y = torch.ops.quantized.linear_dynamic(xf / r, w, REDUCE_RANGE)
     return (y * r).to(x.dtype)
 
 

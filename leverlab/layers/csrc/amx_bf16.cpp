@@ -29,7 +29,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -44,16 +43,13 @@ constexpr int64_t kBlock = 32;    // weight rows per inner loop: two A tiles
 constexpr int64_t kDepth = 32;    // bf16 elements of K per tile row (64 bytes)
 
 // Whether linear_bf16 takes its rows here: built for it, the OS grants the tiles, and not switched off
-// (LEVERLAB_NO_AMX=1 at start, or set_amx_bf16(false) for A/B runs in one process).
+// (set_amx_bf16(false): layers/cpu_kernels.py does so at load under LEVERLAB_NO_AMX=1, A/B runs in one process).
 std::atomic<bool>& enabled() {
-  static std::atomic<bool> on{[] {
 #ifdef LEVERLAB_AMX_BF16
-    const char* no = std::getenv("LEVERLAB_NO_AMX");
-    return !(no && std::strcmp(no, "1") == 0) && amx::permitted();
+  static std::atomic<bool> on{amx::permitted()};
 #else
-    return false;
+  static std::atomic<bool> on{false};
 #endif
-  }()};
   return on;
 }
 
