@@ -114,13 +114,17 @@ def analyze(out_dir: Path, price_per_hour: float | None = None) -> dict[str, Any
     configs: list[dict[str, Any]] = []
     for s in steps:
         rec = state["configs"].get(s.name, {"status": "pending"})
+        # A substitution (leverlab/study/substitute.py): the configuration ran with a stand-in for a value its
+        # engine cannot express, and is compared with the step it then changes one lever from.
+        sub = rec.get("substitution")
         c: dict[str, Any] = {
             "name": s.name,
-            "parent": s.parent,
+            "parent": sub["parent"] if sub else s.parent,
             "lever": s.lever,
-            "change": s.change,
+            "change": s.change + (f"; runs as {sub['label']}" if sub else ""),
             "note": s.note,
-            "levers": s.levers,
+            "levers": Levers(**sub["levers"]) if sub else s.levers,
+            "substitution": sub,
             "status": rec.get("status", "pending"),
             "reason": rec.get("reason"),
             "startup_s": rec.get("startup_s"),
@@ -186,6 +190,8 @@ def analyze(out_dir: Path, price_per_hour: float | None = None) -> dict[str, Any
         "model": state["model"],
         "engine": state["engine"],
         "engine_capabilities": state.get("engine_capabilities"),
+        "host": state.get("host"),
+        "run_id": state.get("run_id"),
         "bandwidth_gbs": state.get("bandwidth_gbs"),
         "bandwidth_threads": state.get("bandwidth_threads"),
         "plan": plan,

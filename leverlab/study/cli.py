@@ -8,8 +8,8 @@
     leverlab study --report-only results/study-XXXX  # rebuild report.md / report.html
     leverlab study --resume results/study-XXXX --only int8-draft   # one configuration, e.g. once its model lands
     leverlab study --engine llamacpp                 # llama.cpp (`python -m leverlab.bench.peer_llamacpp build`)
-    leverlab study --engine leverlab,llamacpp        # both, each in OUT/<engine>/, side by side in OUT/report.md
-    leverlab study compare A B [--out DIR]           # two study folders side by side (the bandwidth-ratio check)
+    leverlab study --engine leverlab,llamacpp,vllm   # each in OUT/<engine>/, all side by side in OUT/report.md
+    leverlab study compare A B [C...] [--out DIR]    # one machine: side by side; two machines: + bandwidth ratio
 Exit status: 0 when every configuration ran or was refused by the engine (reported), 1 when one failed or a
 speculative configuration changed greedy tokens, 2 for a usage error.
 """
@@ -149,25 +149,33 @@ def run(args: argparse.Namespace) -> int:
     if len(engines) == 1:
         return _study(args, plan, engines[0], console)
     # Several engines: one study each in OUT/<engine>, on the same plan, prompts and bandwidth figure (one
-    # machine: measured once), then the side-by-side report in OUT.
+    # machine: measured once) and one run id (how the report knows they share a machine), then one
+    # side-by-side report of all of them in OUT.
     out = Path(args.resume or args.out or f"results/study-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_id = f"{out.name}-{time.strftime('%Y%m%dT%H%M%S')}"
     rcs = []
     for e in engines:
         sub = argparse.Namespace(**vars(args))
         sub.out = str(out / e.name)
         sub.resume = str(out / e.name) if args.resume else None
-        rcs.append(_study(sub, plan, e, console))
+        rcs.append(_study(sub, plan, e, console, run_id=run_id))
         if rcs[-1] == 2:
             return 2
         if args.bandwidth is None:
             args.bandwidth = json.loads((out / e.name / "study.json").read_text()).get("bandwidth_gbs")
-    from leverlab.study.compare import write_compare
-
-    for other in engines[1:]:
-        dest = out if len(engines) == 2 else out / f"{engines[0].name}-vs-{other.name}"
-        write_compare(out / engines[0].name, out / other.name, dest, labels=(engines[0].name, other.name))
-        console.print(f"side by side: {dest / 'report.md'} and {dest / 'report.html'}")
+    _side_by_side({e.name: out / e.name for e in engines}, out, console)
     return max(rcs)
+
+
+def _side_by_side(dirs: dict[str, Path], out: Path, console) -> None:
+    from rich.markup import escape
+
+    from leverlab.study.sidebyside import write_side_by_side
+
+    c = write_side_by_side(dirs, out)
+    for f in c["lever_findings"]:
+        console.print(escape("  " + f["text"].replace("**", "")))
+    console.print(f"side by side: {out / 'report.md'} and {out / 'report.html'}")
 
 
 def _engine(name: str, args: argparse.Namespace):
@@ -188,15 +196,32 @@ def _engine(name: str, args: argparse.Namespace):
 
 
 def _compare(args: argparse.Namespace, console) -> int:
-    if len(args.folders) != 2:
-        print("leverlab study compare: give two study folders, A B", file=sys.stderr)
+    """Folders from one machine (one `--engine a,b` run, or the same host): the engines side by side, no
+    bandwidth-ratio check. Two folders from two machines: the two-machine comparison with that check."""
+    if len(args.folders) < 2:
+        print("leverlab study compare: give two study folders, A B (more when they come from one machine)",
+              file=sys.stderr)
         return 2
-    a, b = (Path(f) for f in args.folders)
-    for f in (a, b):
+    folders = [Path(f) for f in args.folders]
+    for f in folders:
         if not (f / "study.json").is_file():
             print(f"leverlab study compare: {f} holds no study.json", file=sys.stderr)
             return 2
     out = Path(args.out or f"results/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    from leverlab.study.sidebyside import same_machine
+
+    states = [json.loads((f / "study.json").read_text()) for f in folders]
+    if same_machine(states):
+        labels = [s.get("engine") or f.name for s, f in zip(states, folders)]
+        if len(set(labels)) != len(labels):  # the same engine twice (two runs): the folders tell them apart
+            labels = [f"{lb} ({f.name})" for lb, f in zip(labels, folders)]
+        _side_by_side(dict(zip(labels, folders)), out, console)
+        return 0
+    if len(folders) != 2:
+        print("leverlab study compare: folders from several machines are compared two at a time, A B",
+              file=sys.stderr)
+        return 2
+    a, b = folders
     from leverlab.study.compare import write_compare
 
     c = write_compare(a, b, out)
@@ -206,7 +231,7 @@ def _compare(args: argparse.Namespace, console) -> int:
     return 0
 
 
-def _study(args: argparse.Namespace, plan, engine, console) -> int:
+def _study(args: argparse.Namespace, plan, engine, console, run_id: str | None = None) -> int:
     from leverlab.config import default_model_path
 
     model = str(args.model or default_model_path())
@@ -243,6 +268,7 @@ def _study(args: argparse.Namespace, plan, engine, console) -> int:
             show_requests=not args.quiet,
             bandwidth_gbs=args.bandwidth,
             only=only,
+            run_id=run_id,
         )
     except ValueError as e:
         print(f"leverlab study: {e}", file=sys.stderr)
@@ -255,8 +281,21 @@ def _report(out: Path, console, price_per_hour: float | None = None) -> int:
     from leverlab.study.report import write_report
 
     if not (out / "study.json").is_file():
-        print(f"leverlab study: {out} holds no study.json", file=sys.stderr)
-        return 2
+        # A several-engine folder: each engine's report again, then the side-by-side one.
+        # In the order they ran (the invocation's engine order), which is the order of their start times.
+        subs = sorted(
+            (p.parent for p in out.glob("*/study.json")),
+            key=lambda d: (json.loads((d / "study.json").read_text()).get("started") or "", d.name),
+        )
+        if not subs:
+            print(f"leverlab study: {out} holds no study.json", file=sys.stderr)
+            return 2
+        rcs = [_report(s, console, price_per_hour) for s in subs]
+        labels = [json.loads((s / "study.json").read_text()).get("engine") or s.name for s in subs]
+        if len(set(labels)) != len(labels):
+            labels = [s.name for s in subs]
+        _side_by_side(dict(zip(labels, subs)), out, console)
+        return max(rcs)
     a = write_report(out, price_per_hour)
     from rich.markup import escape
 

@@ -1,5 +1,7 @@
-"""Two study folders side by side: two machines (is faster memory the cleanest lever?), a CPU against a GPU run,
-or two engines on one machine (`leverlab study --engine leverlab,llamacpp`).
+"""Two study folders from two machines side by side (is faster memory the cleanest lever?), e.g. a CPU against a
+GPU run. Folders from one machine (`leverlab study --engine a,b,...`, or the same host) get the engines'
+side-by-side report instead (sidebyside.py), which has no bandwidth-ratio check: `leverlab study compare`
+picks by sidebyside.same_machine().
 
 Configurations are matched by name. Per configuration: both runs' figures and B over A. The memory check: the
 bandwidth model says a memory-bound decode speeds up by the bandwidth ratio and nothing else; each

@@ -444,7 +444,7 @@ def check_batching(a: dict[str, Any]) -> dict[str, str]:
     more requests/s and answer sooner, since a static batch holds every slot until its longest member ends."""
     title = "Continuous batching beats static batches under load"
     ran = _ran_step(a, "batching", lambda lv: lv.batching == "static",
-                    "no static-batching step in this plan (`--full` has one)")
+                    "no static-batching step in this plan (the default plan has one)")
     if isinstance(ran, str):
         return _f("B", title, NOT_TESTED, "", ran)
     c, p = ran
@@ -472,7 +472,7 @@ def check_model(a: dict[str, Any]) -> dict[str, str]:
     """Right-sizing (the reference's first lever): the smaller model of the family serves faster, by about
     its byte ratio, and says other things; the fidelity columns say how much."""
     title = "Right-sizing: a smaller model of the family is faster, at a cost in fidelity"
-    ran = _ran_step(a, "model", lambda lv: bool(lv.model), "no model step in this plan (`--full` has one)")
+    ran = _ran_step(a, "model", lambda lv: bool(lv.model), "no model step in this plan (the default plan has one)")
     if isinstance(ran, str):
         return _f("R", title, NOT_TESTED, "", ran)
     c, p = ran

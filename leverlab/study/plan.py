@@ -14,8 +14,8 @@ Levers and the fields they own (a lever is the unit of "one change"):
   batching         how requests meet the server              "continuous" (default), "static" (waves of N =
                                                              the concurrency; a client-side workload)
   model            right-sizing: serve another model         a folder of the same family ("models/...-draft")
-Adding a lever: its name in LEVERS, its field on Levers, and one entry in each of lever_values / with_lever /
-describe (and parse_value for --steps); engines say what they cannot express in unsupported().
+Adding a lever: its name in LEVERS, its field on Levers, and one entry in each of LEVER_FIELDS / lever_values /
+with_lever / describe (and parse_value for --steps); engines say what they cannot express in unsupported().
 Plans come from code (default_plan / full_plan / tiny_plan) or a YAML/TOML file (load_plan).
 """
 
@@ -38,6 +38,18 @@ LEVERS = (
     "batching",
     "model",
 )
+# The Levers fields each lever owns (Levers.take copies them from one configuration into another).
+LEVER_FIELDS = {
+    "precision": ("dtype", "quantization"),
+    "kv_cache_dtype": ("kv_cache_dtype",),
+    "speculation": ("speculative",),
+    "prefix_caching": ("prefix_caching",),
+    "tensor_parallel": ("tensor_parallel_size",),
+    "replicas": ("data_parallel_size",),
+    "batch_policy": ("max_num_seqs",),
+    "batching": ("batching",),
+    "model": ("model",),
+}
 BATCHING = ("continuous", "static")
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -74,6 +86,10 @@ class Levers:
             "batching": self.batching,
             "model": self.model,
         }
+
+    def take(self, lever: str, other: Levers) -> Levers:
+        """A copy with one lever's fields as `other` has them (what a substitution swaps in)."""
+        return replace(self, **{f: getattr(other, f) for f in LEVER_FIELDS[lever]})
 
     def changed_levers(self, other: Levers) -> list[str]:
         a, b = self.lever_values(), other.lever_values()
@@ -290,27 +306,32 @@ def _reference_steps(b: PlanBuilder, *, full: bool) -> PlanBuilder:
     b.step("champion-tp2", "tensor_parallel", 2, note="the champion at tensor-parallel size 2")
     b.step("champion-dp2", "replicas", 2, parent="champion",
            note="two replicas of the champion (the same cores as TP=2): the reference's cost-per-token lever")
+    # The levers one machine can test beyond the progression. The default plan measures prefix caching, static
+    # batching (finding B) and right-sizing (finding R) too, so every finding that does not need a second
+    # machine gets numbers; --full adds the KV-cache, TP-on-baseline and batch-policy steps between them (in
+    # the order --full always had, so a resumed --full study keeps its step names in place).
     if full:
         b.step("int8-kv-int8", "kv_cache_dtype", "int8", parent="int8", note="8-bit KV cache")
-        b.step("no-prefix-cache", "prefix_caching", False, parent="baseline", note="prefix caching off")
+    b.step("no-prefix-cache", "prefix_caching", False, parent="baseline", note="prefix caching off")
+    if full:
         b.step(
             "baseline-tp2", "tensor_parallel", 2, parent="baseline", note="tensor parallel on the baseline"
         )
         b.step("max-seqs-4", "batch_policy", 4, parent="baseline", note="at most 4 sequences per step")
-        b.step(
-            "static-batching",
-            "batching",
-            "static",
-            parent="baseline",
-            note="static batches: requests wait for a full batch, which runs to its longest member",
-        )
-        b.step(
-            "smaller-model",
-            "model",
-            DRAFT_MODEL_DIR,
-            parent="baseline",
-            note="right-sizing: the family's smaller model (the draft) served instead",
-        )
+    b.step(
+        "static-batching",
+        "batching",
+        "static",
+        parent="baseline",
+        note="static batches: requests wait for a full batch, which runs to its longest member",
+    )
+    b.step(
+        "smaller-model",
+        "model",
+        DRAFT_MODEL_DIR,
+        parent="baseline",
+        note="right-sizing: the family's smaller model (the draft) served instead",
+    )
     return b
 
 

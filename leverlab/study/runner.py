@@ -19,12 +19,14 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from leverlab.bench.manifest import machine_info
 from leverlab.study.engines import Engine, StartFailed
-from leverlab.study.plan import Plan, Step
+from leverlab.study.plan import Levers, Plan, Step
+from leverlab.study.substitute import resolve_plan
 
 # Kept on resume. Refusals are re-checked (cheap: most are found without starting a server), since the engine
 # or its files may have changed since (a draft model that landed, a lever that got built).
@@ -93,6 +95,8 @@ class StudyState:
                 )
             data.setdefault("resumed", []).append(time.strftime("%Y-%m-%dT%H:%M:%S"))
             data["plan"] = header["plan"]  # same steps; settings such as a draft folder may have been fixed
+            for k in ("host", "run_id"):  # a folder from before they were recorded
+                data.setdefault(k, header[k])
             return cls(path, data)
         return cls(path, {**header, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "configs": {}})
 
@@ -294,6 +298,21 @@ def _fidelity_http(engine, base_url, step, plan, prompts, cfg_dir, rec) -> dict[
         return None
 
 
+def _refused(state: StudyState) -> dict[str, str]:
+    """Steps this engine refused (status unavailable) in this study: name -> its reason."""
+    return {
+        n: rec.get("reason") or "refused"
+        for n, rec in state.data["configs"].items()
+        if rec.get("status") == "unavailable"
+    }
+
+
+def _as_ran(step: Step, rec: dict[str, Any]) -> Step:
+    """A step kept from an earlier run, with the levers it ran with (a substitution's, if any)."""
+    sub = rec.get("substitution")
+    return replace(step, levers=Levers(**sub["levers"])) if sub else step
+
+
 def engine_threads(model: str, levers) -> int:
     """The thread count LeverLab's engine gives this model (leverlab/engine/llm_engine.py: one thread below
     256 MiB of weights, where fork/join per op does not pay), so the bandwidth is measured as the engine reads."""
@@ -335,7 +354,9 @@ def run_study(
     show_requests: bool = True,
     bandwidth_gbs: float | None = None,
     only: Callable[[Step], bool] | None = None,
+    run_id: str | None = None,
 ) -> StudyState:
+    """run_id: shared by the studies of one `--engine a,b,...` invocation (one machine, one run)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     header = {
         "plan": plan.to_json(),
@@ -343,6 +364,10 @@ def run_study(
         "engine": engine.name,
         "engine_capabilities": engine.capabilities(),
         "engine_installed": engine.installed(),
+        # Which machine and which invocation: `study compare` and the cross-engine report tell one machine
+        # (engines side by side, no bandwidth-ratio check) from two (the faster-memory check) by these.
+        "host": machine_info(),
+        "run_id": run_id,
     }
     state = StudyState.load_or_new(out_dir, header, resume)
     workload = prepare_workload(source_workload, plan, out_dir / "workload.json")
@@ -375,29 +400,47 @@ def run_study(
         state.data["engine_files"] = made
     fid_prompts = fidelity_prompts(workload, plan.fidelity_prompts)
     steps = [s for s in plan.steps if only is None or only(s)]
+    ran: list[Step] = []  # the steps as they ran on this engine (a substitution's levers), for the exactness pass
     for i, step in enumerate(steps, 1):
         rec = state.config(step.name)
+        # Resolved before each step: a refusal at start-up earlier in this study (status "unavailable") makes
+        # the refused value one to stand in for in its descendants (leverlab/study/substitute.py).
+        resolved = resolve_plan(
+            plan, engine.unsupported, lambda lv: engine.runnable(model, lv), _refused(state)
+        )
+        run_step = replace(step, levers=resolved[step.name].levers)
         if resume and rec.get("status") in FINAL:
             progress.say(f"[{i}/{len(steps)}] {step.name}: {rec['status']} (kept from the earlier run)")
+            ran.append(_as_ran(step, rec))
             continue
         remaining = sum(
             1
             for s in steps[i - 1 :]
-            if state.config(s.name).get("status") not in FINAL and engine.runnable(model, s.levers)
+            if state.config(s.name).get("status") not in FINAL
+            and engine.runnable(model, resolved[s.name].levers)
         )
         progress.config_start(i, len(steps), step, remaining)
+        sub = resolved[step.name].record(step, engine.name)
+        if sub and engine.runnable(model, run_step.levers):
+            progress.say(f"  on {engine.name}: {sub['label']}")
         cfg_dir = out_dir / step.name
         cfg_dir.mkdir(parents=True, exist_ok=True)
         try:
-            run_config(step, plan, engine, model, workload, cfg_dir, rec, progress, fid_prompts)
+            run_config(run_step, plan, engine, model, workload, cfg_dir, rec, progress, fid_prompts)
         except KeyboardInterrupt:
             rec.update(status="failed", reason="interrupted")
             state.save()
             raise
+        # Kept only where the stand-in ran: a configuration not available on this engine reads as planned.
+        if sub and rec.get("status") != "unavailable":
+            rec["substitution"] = sub
+        else:
+            rec.pop("substitution", None)
+        ran.append(run_step)
         if rec.get("status") == "done":
             progress.durations.append(rec.get("duration_s", 0.0))
         state.save()
-    exactness_pass(steps, plan, engine, model, out_dir, state, progress, fid_prompts)
+    exactness_pass(ran, plan, engine, model, out_dir, state, progress, fid_prompts)
     state.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     # Cumulative over resumed runs: the time the study's measurements took, not the last session's.
     state.data["elapsed_s"] = state.data.get("elapsed_s", 0.0) + (time.monotonic() - progress.t0 - setup_s)

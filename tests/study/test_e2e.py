@@ -174,13 +174,14 @@ def test_html_renders_in_headless_chromium(study, tmp_path):
 
 
 def test_compare_puts_two_study_folders_side_by_side(study, tmp_path):
-    """`leverlab study compare A B` on real folders (here the same one twice, its copy with a faster memory
-    figure): every configuration in both, ratios B/A, and the bandwidth-ratio check."""
+    """`leverlab study compare A B` on real folders (here the same one twice, its copy from another machine
+    with a faster memory figure): every configuration in both, ratios B/A, and the bandwidth-ratio check."""
     out, _, _ = study
     faster = tmp_path / "faster"
     shutil.copytree(out, faster)
     st = json.loads((faster / "study.json").read_text())
     st["bandwidth_gbs"] *= 2
+    st["host"] = {**st["host"], "hostname": "another-machine"}  # two machines: what keeps the memory check
     (faster / "study.json").write_text(json.dumps(st))
     r = subprocess.run(
         [sys.executable, "-m", "leverlab.cli", "study", "compare", str(out), str(faster), "--out", str(tmp_path / "c")],

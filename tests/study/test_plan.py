@@ -31,7 +31,15 @@ def test_default_plan_follows_the_reference_progression():
         "champion",
         "champion-tp2",
         "champion-dp2",
+        "no-prefix-cache",
+        "static-batching",
+        "smaller-model",
     ]
+    # every finding one machine can test gets its step: prefix caching, static batching (B), right-sizing (R)
+    byn = {s.name: s for s in plan.steps}
+    assert byn["no-prefix-cache"].levers.prefix_caching is False and byn["no-prefix-cache"].parent == "baseline"
+    assert byn["static-batching"].levers.batching == "static" and byn["static-batching"].parent == "baseline"
+    assert byn["smaller-model"].levers.model == "models/leverlab-code-draft"
     champ = plan.step("champion").levers
     assert champ.quantization == "int4" and champ.speculative["method"] == "eagle"
     assert plan.step("champion-tp2").levers.tensor_parallel_size == 2
@@ -44,6 +52,10 @@ def test_default_plan_follows_the_reference_progression():
 def test_full_plan_covers_every_lever():
     levers = {s.lever for s in full_plan().steps if s.lever}
     assert levers == set(LEVERS)
+    # the default plan's steps in place, the full plan's own between them, in the order --full always had
+    assert [s.name for s in full_plan().steps][10:] == [
+        "int8-kv-int8", "no-prefix-cache", "baseline-tp2", "max-seqs-4", "static-batching", "smaller-model"
+    ]
     byn = {s.name: s for s in full_plan().steps}
     assert byn["static-batching"].levers.batching == "static" and byn["static-batching"].parent == "baseline"
     assert byn["smaller-model"].levers.model == "models/leverlab-code-draft"

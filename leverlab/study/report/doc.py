@@ -25,8 +25,13 @@ class Doc:
     def ul(self, items: list[str]) -> None:
         self.blocks.append(("ul", items))
 
-    def table(self, headers: list[str], rows: list[list[Any]], cls: str = "") -> None:
-        self.blocks.append(("table", headers, [[str(x) for x in r] for r in rows], cls))
+    def table(
+        self, headers: list[str], rows: list[list[Any]], cls: str = "", groups: list[tuple[str, int]] | None = None
+    ) -> None:
+        """groups: column groups [(label, span), ...] drawn as a header row above the columns in HTML (an
+        engine per group in the side-by-side report); a grouped column's header "GROUP: name" shows as "name"
+        under it there. Markdown has no such row, so its headers keep the full "GROUP: name"."""
+        self.blocks.append(("table", headers, [[str(x) for x in r] for r in rows], cls, groups))
 
     def img(self, title: str, path: Path) -> None:
         self.blocks.append(("img", title, path))
@@ -68,10 +73,18 @@ class Doc:
             elif kind == "ul":
                 body.append("<ul>" + "".join(f"<li>{_inline(x)}</li>" for x in b[1]) + "</ul>")
             elif kind == "table":
-                headers, rows, cls = b[1], b[2], b[3]
+                headers, rows, cls, groups = b[1], b[2], b[3], b[4]
+                head = ""
+                if groups:
+                    head = "<tr>" + "".join(
+                        f'<th colspan="{n}" class="group">{_inline(g)}</th>' for g, n in groups
+                    ) + "</tr>"
+                    headers = [x.split(": ", 1)[1] if g and ": " in x else x for x, g in zip(headers, _spans(groups))]
                 th = "".join(f"<th>{_inline(x)}</th>" for x in headers)
                 trs = "".join("<tr>" + "".join(f"<td>{_inline(x)}</td>" for x in r) + "</tr>" for r in rows)
-                body.append(f'<table class="{cls}"><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>')
+                body.append(
+                    f'<table class="{cls}"><thead>{head}<tr>{th}</tr></thead><tbody>{trs}</tbody></table>'
+                )
             elif kind == "img":
                 data = base64.b64encode(b[2].read_bytes()).decode()
                 body.append(
@@ -81,6 +94,11 @@ class Doc:
             elif kind == "pre":
                 body.append(f"<pre>{html.escape(b[1])}</pre>")
         return HTML_PAGE.format(title=html.escape(title), body="\n".join(body))
+
+
+def _spans(groups: list[tuple[str, int]]) -> list[str]:
+    """The group label of each column, in order."""
+    return [g for g, n in groups for _ in range(n)]
 
 
 def _inline(s: str) -> str:
@@ -97,9 +115,11 @@ body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px;
 table {{ border-collapse: collapse; margin: 1em 0; font-size: 0.88em; }}
 th, td {{ border: 1px solid #ccc; padding: 0.3em 0.55em; text-align: left; vertical-align: top; }}
 th {{ background: #f0f3f7; }}
+th.group {{ text-align: center; background: #e3e9f1; }}
 tbody tr:nth-child(even) {{ background: #fafafa; }}
 table.progression td:nth-child(n+3) {{ text-align: right; white-space: nowrap; }}
 table.progression td:last-child {{ text-align: left; white-space: normal; min-width: 14em; }}
+table.sidebyside td:nth-child(n+3) {{ text-align: right; white-space: nowrap; }}
 figure {{ display: inline-block; margin: 0.5em 1em 1em 0; }}
 img {{ max-width: 560px; border: 1px solid #ddd; }}
 pre {{ background: #f6f6f6; padding: 0.6em; overflow-x: auto; font-size: 0.8em; }}

@@ -385,6 +385,24 @@ def engines(d: Doc, a: dict[str, Any], view: View) -> None:
     )
 
 
+def substitutions(d: Doc, a: dict[str, Any], view: View) -> None:
+    subs = [c for c in view.configs if c.get("substitution")]
+    if subs:
+        d.h(2, "Configurations run from the nearest parent")
+        d.p(
+            f"{a['engine']} cannot express a value these configurations inherit, so each ran with a sibling step's "
+            "value of that lever instead (the first in plan order it can express; leverlab/study/substitute.py) "
+            "and is compared with the step it then changes one lever from."
+        )
+        d.ul(
+            [
+                f"**{c['name']}** runs as {c['substitution']['label']}; compared with {c['parent']} "
+                f"(plan parent {c['substitution']['plan_parent']})"
+                for c in subs
+            ]
+        )
+
+
 def not_run(d: Doc, a: dict[str, Any], view: View) -> None:
     notes = [c for c in view.configs if c["status"] in ("unavailable", "failed") or c.get("fidelity_error")]
     if notes:
@@ -446,6 +464,7 @@ SECTIONS = (
     sweep,
     plot_figures,
     engines,
+    substitutions,
     not_run,
     run_log,
     method,
