@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import statistics
 import struct
@@ -136,7 +137,7 @@ class OursEngine:
         self.llm = LLM(model, dtype="bfloat16", quantization=None if precision == "bf16" else precision,
                        num_threads=args.threads, **mode, max_num_seqs=args.batch,
                        max_num_batched_tokens=max(512, args.prefill_len, args.prompt_len),
-                       max_model_len=max(args.prompt_len, args.prefill_len) + args.decode_len + 16,
+                       max_model_len=max_model_len(args),
                        enable_prefix_caching=False)
         self.params = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         rows = args.batch if "decode16" in args.measurements else 1  # a long prompt x 16 is a long warm-up
@@ -368,16 +369,27 @@ def vllm_export(model: Path, prec: str) -> Path:
     return dst
 
 
+def max_model_len(args) -> int:
+    """The longest sequence the in-process measurements make (ours and vLLM's engines are sized by it)."""
+    return max(args.prompt_len, args.prefill_len) + args.decode_len + 16
+
+
 class VllmWorker:
     """scripts/vllm_inprocess.py under vLLM's python: one model loaded once, measured over JSON lines (its
     docstring has the protocol); its log (vLLM's own output) goes to `log`."""
 
     def __init__(self, cmd: list, env: dict | None, log: Path):
         self.log = log
+        # A session of its own: vLLM's engine and model-runner processes are its children, and a worker stopped
+        # while it loads (a failed start, our SIGTERM) must not leave them behind; close() ends the group.
         with open(log, "wb") as f:
             self.proc = subprocess.Popen([str(c) for c in cmd], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=f, env=env, text=True, cwd=ROOT)
-        self.ready = self._recv()["ready"]
+                                         stderr=f, env=env, text=True, cwd=ROOT, start_new_session=True)
+        try:
+            self.ready = self._recv()["ready"]
+        except BaseException:
+            self.close()
+            raise
 
     def _recv(self) -> dict:
         line = self.proc.stdout.readline()
@@ -400,10 +412,19 @@ class VllmWorker:
             self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
             self.proc.stdin.close()
         try:
-            self.proc.wait(60)
+            self.proc.wait(60 if self.proc.poll() is None and getattr(self, "ready", None) else 1)
         except subprocess.TimeoutExpired:
-            self.proc.kill()  # by its pid: the worker we started
-            self.proc.wait()
+            pass
+        # The worker's own session (its pid is its group's id): vLLM's processes under it, which vLLM ends itself
+        # on a clean exit; SIGTERM first (the worker then shuts vLLM down), SIGKILL what is left.
+        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(wait_s)
+                time.sleep(1)  # its children exit after it
 
 
 class Vllm(Peer):
@@ -433,9 +454,24 @@ class Vllm(Peer):
     def env(self, args) -> dict:
         return peer_vllm.server_env(args.threads)
 
+    def worker_env(self, args) -> dict:
+        """The server's binding, with the KV space given to the worker in bytes (--kv-cache-bytes) rather than
+        VLLM_CPU_KVCACHE_SPACE's whole GiB: three workers of 2 GiB each (the server's default) are 6 GiB a shared
+        machine may not have, for a benchmark whose sequences need a few MB (the 0.6B shape: some 300 MB)."""
+        e = self.env(args)
+        e.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        return e
+
+    @staticmethod
+    def kv_bytes(args) -> int:
+        """KV cache for the in-process measurements: 16 sequences of prompt + decode, or one max-length one (vLLM
+        refuses a pool that cannot hold one), half again for its block rounding, at least 64 MiB."""
+        tokens = max(args.batch * (args.prompt_len + args.decode_len + 16), max_model_len(args))
+        return max(64 << 20, int(1.5 * tokens * args.kv_bytes_per_token))
+
     def worker_command(self, prec: str, args) -> list:
         return [self.python, ROOT / "scripts" / "vllm_inprocess.py", "--model", self.folders[prec],
-                "--max-model-len", max(args.prompt_len, args.prefill_len) + args.decode_len + 16,
+                "--max-model-len", max_model_len(args), "--kv-cache-bytes", self.kv_bytes(args),
                 "--max-num-seqs", args.batch,
                 "--max-num-batched-tokens", max(512, args.prefill_len, args.prompt_len),  # as ours
                 "--warm-prompt-len", args.prompt_len, "--prefill-len", args.prefill_len,
@@ -446,7 +482,8 @@ class Vllm(Peer):
         for p in args.precisions:
             t0 = time.perf_counter()
             try:
-                self.workers[p] = VllmWorker(self.worker_command(p, args), self.env(args), work / f"vllm-{p}.log")
+                self.workers[p] = VllmWorker(self.worker_command(p, args), self.worker_env(args),
+                                             work / f"vllm-{p}.log")
                 r = self.workers[p].ready
                 print(f"vLLM {p} ({self.format_of(p)}): loaded and warmed in {time.perf_counter() - t0:.0f} s "
                       f"(own process; per-request engine timestamps: {r['engine_timestamps']})", flush=True)

@@ -12,7 +12,8 @@ line, {"quit": true} or the end of stdin ends it. The protocol owns the process'
 sent to stderr (fd 1 is pointed at fd 2 before vLLM is imported, so its engine process inherits that too).
 
     <vllm python> scripts/vllm_inprocess.py --model DIR [--max-model-len N] [--max-num-seqs 16]
-        [--max-num-batched-tokens N] [--warm-prompt-len 128] [--warm-rows 16] [--prefill-len 128]
+        [--max-num-batched-tokens N] [--kv-cache-bytes N] [--warm-prompt-len 128] [--warm-rows 16]
+        [--prefill-len 128]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -89,10 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--kv-cache-bytes", type=int, default=None, help="vLLM's KV pool (default: its own sizing)")
     ap.add_argument("--warm-prompt-len", type=int, default=128)
     ap.add_argument("--warm-rows", type=int, default=16)
     ap.add_argument("--prefill-len", type=int, default=128)
     a = ap.parse_args(argv)
+    # SIGTERM as an exit, so that vLLM's exit handlers stop its engine process (killed outright, the worker would
+    # leave it running, orphaned).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     # The protocol keeps the real stdout; everything else printed to fd 1 (vLLM's logs, its engine process's,
     # a library's print) goes to stderr, where the parent keeps it as a log.
@@ -110,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
 
         t0 = time.perf_counter()
         extra = {"max_num_batched_tokens": a.max_num_batched_tokens} if a.max_num_batched_tokens else {}
+        if a.kv_cache_bytes:
+            extra["kv_cache_memory_bytes"] = a.kv_cache_bytes
         # disable_log_stats=False: vLLM keeps per-request timestamps (RequestOutput.metrics) only with stats on.
         llm = LLM(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                   enable_prefix_caching=False, disable_log_stats=False, **extra)

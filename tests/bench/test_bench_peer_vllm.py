@@ -145,6 +145,9 @@ def test_vllm_peer_folders_bytes_server_and_binding(bench_peer, monkeypatch, tmp
     assert "VLLM_CPU_OMP_THREADS_BIND=0" in v.binding(args)
     wc = [str(c) for c in v.worker_command("bf16", args)]
     assert wc[1].endswith("vllm_inprocess.py") and wc[wc.index("--max-model-len") + 1] == str(128 + 64 + 16)
+    # the workers' KV pool sized in bytes for 16 sequences, not the server's whole GiB
+    assert int(wc[wc.index("--kv-cache-bytes") + 1]) == max(64 << 20, int(1.5 * 16 * 208 * args.kv_bytes_per_token))
+    assert "VLLM_CPU_KVCACHE_SPACE" not in v.worker_env(args) and v.worker_env(args)["VLLM_CPU_OMP_THREADS_BIND"]
     monkeypatch.setattr(bench_peer.peer_vllm, "python", lambda root=None: None)
     with pytest.raises(bench_peer.PeerUnavailable, match="peer_vllm install"):
         bench_peer.Vllm().prepare(args)
