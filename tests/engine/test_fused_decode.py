@@ -50,7 +50,10 @@ def both_paths(model, dtype, spans, context=20):
 @pytest.mark.parametrize("arch", (*ARCHS, "mistral", "qwen2-window"))
 def test_fused_forward_matches_modules_float32(checkpoint_factory, arch):
     model = load_model(checkpoint_factory(arch), "float32")
-    for spans in ([1], [1, 1, 1], [4, 1, 16]):  # decode, a decode batch, verification spans and a short chunk
+    spans_list = [[1], [1, 1, 1], [4, 1, 16]]  # decode, a decode batch, verification spans and a short chunk
+    if cpu_kernels.kernels().has_tiled_attention():
+        spans_list.append([1, 45])  # a prefill chunk beside a decode: the fused path takes it where attention tiles
+    for spans in spans_list:
         expected, got = both_paths(model, torch.float32, spans)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
@@ -86,6 +89,25 @@ def test_engine_tokens_identical_with_and_without_fused_path(checkpoint_factory,
     assert plain.engine.runner.fused is None
     ref = plain.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_prefill_takes_the_fused_path_where_attention_tiles(checkpoint_factory):
+    """A 200-token prompt is one fused call (no module dispatch per op), with the module path's tokens."""
+    if not cpu_kernels.kernels().has_tiled_attention():
+        pytest.skip("this CPU has no AVX2: attention does not tile long spans, prefill stays on the modules")
+    path = checkpoint_factory("qwen3")
+    llm = LLM(path, dtype="float32")
+    before = llm.engine.runner.fused_steps
+    prompt = [(7 * i) % 300 + 3 for i in range(200)]
+    first = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    assert llm.engine.runner.fused_steps - before == 1
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+    ref = LLM(path, dtype="float32")
+    ref.engine.runner.fused.max_span = fused.MAX_SPAN  # the module path for the prefill, as before
+    before = ref.engine.runner.fused_steps
+    again = ref.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    assert ref.engine.runner.fused_steps == before
+    assert first[0].outputs[0].token_ids == again[0].outputs[0].token_ids
 
 
 def test_int4_model_with_an_int6_head_decodes_through_the_fused_step(checkpoint_factory, monkeypatch):
