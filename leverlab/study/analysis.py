@@ -16,7 +16,14 @@ from leverlab.study.plan import Levers, Step
 
 def load_steps(state: dict[str, Any]) -> list[Step]:
     return [
-        Step(s["name"], s["parent"], s["lever"], Levers(**s["levers"]), s.get("note", ""))
+        Step(
+            s["name"],
+            s["parent"],
+            s["lever"],
+            Levers(**s["levers"]),
+            s.get("note", ""),
+            tuple(s["single_buckets"]) if s.get("single_buckets") is not None else None,
+        )
         for s in state["plan"]["steps"]
     ]
 

@@ -1,6 +1,6 @@
 """`leverlab study [MODEL]`: the one-lever-at-a-time study, end to end, with fidelity and predictions.
 
-    leverlab study                                   # the short default plan on the bundled model (~9 min)
+    leverlab study                                   # the default plan on the bundled model (~6 min, 2 cores)
     leverlab study --full                            # every lever, the whole prompt set
     leverlab study --plan my-plan.toml               # a plan file (YAML or TOML; see leverlab/study/plan.py)
     leverlab study --steps 'int8:precision=int8,ng:speculation=ngram/4@int8'

@@ -173,6 +173,10 @@ class Step:
     lever: str | None  # None: the baseline
     levers: Levers
     note: str = ""
+    # The concurrency-1 pass over these buckets only (None: every bucket of the plan); the sweep bucket always
+    # runs. For steps whose finding reads only the sweep bucket (static batches, prefix caching, a smaller
+    # model): the other buckets' c=1 requests, the decode bucket's above all, would cost time and tell nothing.
+    single_buckets: tuple[str, ...] | None = None
 
     @property
     def change(self) -> str:
@@ -258,7 +262,13 @@ class PlanBuilder:
         self.steps = [Step(name, None, None, levers or Levers(), note)]
 
     def step(
-        self, name: str, lever: str, value: Any, parent: str | None = None, note: str = ""
+        self,
+        name: str,
+        lever: str,
+        value: Any,
+        parent: str | None = None,
+        note: str = "",
+        single_buckets: tuple[str, ...] | list[str] | None = None,
     ) -> PlanBuilder:
         parent = parent or self.steps[-1].name
         base = next((s for s in self.steps if s.name == parent), None)
@@ -266,7 +276,20 @@ class PlanBuilder:
             raise PlanError(f"step {name!r}: parent {parent!r} is not an earlier step")
         if lever not in LEVERS:
             raise PlanError(f"step {name!r}: unknown lever {lever!r}; levers: {', '.join(LEVERS)}")
-        self.steps.append(Step(name, parent, lever, base.levers.with_lever(lever, value), note))
+        if single_buckets is not None and (isinstance(single_buckets, str) or not all(
+            isinstance(b, str) for b in single_buckets
+        )):
+            raise PlanError(f"step {name!r}: single_buckets is a list of bucket names, got {single_buckets!r}")
+        self.steps.append(
+            Step(
+                name,
+                parent,
+                lever,
+                base.levers.with_lever(lever, value),
+                note,
+                tuple(single_buckets) if single_buckets is not None else None,
+            )
+        )
         return self
 
 
@@ -303,8 +326,13 @@ def _reference_steps(b: PlanBuilder, *, full: bool) -> PlanBuilder:
     b.step(
         "champion", "precision", "int4", parent="int8-eagle", note="INT4 + EAGLE: the reference's champion"
     )
-    b.step("champion-tp2", "tensor_parallel", 2, note="the champion at tensor-parallel size 2")
-    b.step("champion-dp2", "replicas", 2, parent="champion",
+    # Steps whose findings read the sweep bucket only (4 and 4b: its c=1 latency and decode rate, output under
+    # load; B: the sweep; R: its c=1 decode rate and fidelity; prefix caching: the sweep, whose prompts repeat):
+    # in the short plan their concurrency-1 pass skips the other buckets (see default_plan). --full keeps all.
+    light = None if full else ()
+    b.step("champion-tp2", "tensor_parallel", 2, note="the champion at tensor-parallel size 2",
+           single_buckets=light)
+    b.step("champion-dp2", "replicas", 2, parent="champion", single_buckets=light,
            note="two replicas of the champion (the same cores as TP=2): the reference's cost-per-token lever")
     # The levers one machine can test beyond the progression. The default plan measures prefix caching, static
     # batching (finding B) and right-sizing (finding R) too, so every finding that does not need a second
@@ -312,7 +340,8 @@ def _reference_steps(b: PlanBuilder, *, full: bool) -> PlanBuilder:
     # the order --full always had, so a resumed --full study keeps its step names in place).
     if full:
         b.step("int8-kv-int8", "kv_cache_dtype", "int8", parent="int8", note="8-bit KV cache")
-    b.step("no-prefix-cache", "prefix_caching", False, parent="baseline", note="prefix caching off")
+    b.step("no-prefix-cache", "prefix_caching", False, parent="baseline", note="prefix caching off",
+           single_buckets=light)
     if full:
         b.step(
             "baseline-tp2", "tensor_parallel", 2, parent="baseline", note="tensor parallel on the baseline"
@@ -324,6 +353,7 @@ def _reference_steps(b: PlanBuilder, *, full: bool) -> PlanBuilder:
         "static",
         parent="baseline",
         note="static batches: requests wait for a full batch, which runs to its longest member",
+        single_buckets=light,
     )
     b.step(
         "smaller-model",
@@ -331,15 +361,29 @@ def _reference_steps(b: PlanBuilder, *, full: bool) -> PlanBuilder:
         DRAFT_MODEL_DIR,
         parent="baseline",
         note="right-sizing: the family's smaller model (the draft) served instead",
+        single_buckets=light,
     )
     return b
 
 
 def default_plan() -> Plan:
-    """The short plan (~9 min of study time on 2 quiet cores with the bundled model, kernels built): the reference
-    progression, 4 prompts per bucket (with 2, single slow requests flipped findings between runs), output
-    lengths halved (the 1:4 ratio of medium to decode kept), concurrency 1, 4, 16, one warm-up request, and
-    speculation's exactness checked where a step changes speculation (see Plan.exactness)."""
+    """The short plan: every finding one machine can test, meant to take under 6 minutes of study time for a fresh
+    clone on the bundled model (2 quiet cores, kernels built; session 43 measured 12.8 minutes on cores shared
+    with two other sessions at load 13-33, ~5.7 scaled to quiet ones: docs/study.md). The reference progression,
+    then prefix caching off, static batches and the smaller model, each from the baseline; 4 prompts per bucket
+    (with 2, single slow requests flipped findings between runs), output lengths halved (the 1:4 ratio of medium
+    to decode kept), concurrency 1, 4, 16, one warm-up request, and speculation's exactness checked where a step
+    changes speculation (see Plan.exactness).
+
+    Trimmed to fit the three steps added for findings B, R and prefix caching (13 configurations where 10 took
+    5.0-5.7 minutes): champion-tp2, champion-dp2, no-prefix-cache, static-batching and smaller-model run their
+    concurrency-1 pass over the sweep bucket only (Step.single_buckets = ()), not over short, long and decode.
+    Their findings read nothing else (4 and 4b: the sweep bucket's c=1 latency and decode rate and the output
+    under load; B: the sweep; R: the sweep bucket's decode rate and fidelity; prefix caching: the sweep, whose
+    prompts repeat), and the decode bucket's 4 x 512 tokens at c=1 was the largest share of each step's time
+    (TP=2, at 69 s the dearest step, most of all). The progression's precision and speculation steps keep every
+    bucket: finding 3 reads the decode bucket, and acceptance differs by bucket. Not trimmed: fidelity (R is judged
+    on it; 4 prompts x 64 tokens, ~4.5 s a step over HTTP), the sweep levels (B and 4b read c=16)."""
     b = _reference_steps(PlanBuilder(note="bfloat16 weights and KV cache"), full=False)
     return Plan(
         "default",
@@ -433,6 +477,7 @@ def plan_from_dict(raw: dict[str, Any], default_name: str = "plan") -> Plan:
         name = s.pop("name", None) or f"step{i + 1}"
         parent = s.pop("parent", None)
         note = s.pop("note", "")
+        single = s.pop("single_buckets", None)
         keys = [k for k in s if k in LEVERS]
         extra = [k for k in s if k not in LEVERS]
         if extra:
@@ -441,7 +486,7 @@ def plan_from_dict(raw: dict[str, Any], default_name: str = "plan") -> Plan:
             )
         if len(keys) != 1:
             raise PlanError(f"step {name!r} must set exactly one lever, sets {keys or 'none'}")
-        b.step(name, keys[0], s[keys[0]], parent=parent, note=note)
+        b.step(name, keys[0], s[keys[0]], parent=parent, note=note, single_buckets=single)
     kw = {k: raw[k] for k in PLAN_KEYS if k in raw}
     return Plan(raw.get("name", default_name), b.steps, **kw)
 

@@ -185,6 +185,7 @@ def run_config(
         bench_cfg = BenchConfig(
             base_url=handle.base_url,
             workload_file=str(workload),
+            buckets=single_pass_buckets(step, plan, list(json.loads(workload.read_text())["buckets"])),
             concurrency=list(plan.concurrency),
             sweep_bucket=plan.sweep_bucket,
             sweep_rounds=plan.sweep_rounds,
@@ -296,6 +297,14 @@ def _fidelity_http(engine, base_url, step, plan, prompts, cfg_dir, rec) -> dict[
     except Exception as e:  # noqa: BLE001
         rec["fidelity_error"] = f"{type(e).__name__}: {e}"
         return None
+
+
+def single_pass_buckets(step: Step, plan: Plan, have: list[str]) -> list[str] | None:
+    """The workload buckets a step's harness run loads: those of its single_buckets the study's workload has
+    (`--buckets` may have narrowed it) and the sweep bucket; None: all of them."""
+    if step.single_buckets is None:
+        return None
+    return list(dict.fromkeys([*(b for b in step.single_buckets if b in have), plan.sweep_bucket]))
 
 
 def _refused(state: StudyState) -> dict[str, str]:

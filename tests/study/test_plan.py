@@ -61,6 +61,16 @@ def test_full_plan_covers_every_lever():
     assert byn["smaller-model"].levers.model == "models/leverlab-code-draft"
 
 
+def test_a_step_may_run_its_concurrency_1_pass_over_some_buckets_only():
+    plan = plan_from_dict(
+        {"steps": [{"name": "st", "batching": "static", "single_buckets": ["medium"]}, {"name": "i8", "precision": "int8"}]}
+    )
+    assert plan.steps[1].single_buckets == ("medium",) and plan.steps[2].single_buckets is None
+    assert plan.to_json()["steps"][1]["single_buckets"] == ("medium",)
+    with pytest.raises(PlanError, match="single_buckets is a list of bucket names"):
+        plan_from_dict({"steps": [{"name": "st", "batching": "static", "single_buckets": "medium"}]})
+
+
 def test_batching_and_model_levers_parse_and_refuse_bad_values():
     plan = plan_from_steps_arg("st:batching=static,small:model=models/leverlab-code-draft@baseline")
     st, small = plan.steps[1], plan.steps[2]

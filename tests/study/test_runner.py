@@ -47,6 +47,7 @@ def plan() -> Plan:
     b.step("int8", "precision", "int8")
     b.step("int4", "precision", "int4", parent="baseline")
     b.step("ngram", "speculation", {"method": "ngram", "num_speculative_tokens": 4}, parent="baseline")
+    b.step("static", "batching", "static", parent="baseline", single_buckets=())
     return Plan(
         "fake", b.steps, num_prompts=2, concurrency=[1, 2], sweep_bucket="short", warmup=1, fidelity_prompts=1
     )
@@ -82,6 +83,12 @@ def test_statuses_reasons_resume_and_report(tmp_path):
     # the stand-in answers completions only as a stream: the fidelity pass fails, recorded, config still done
     assert "fidelity_error" in cfgs["baseline"]
     assert (out / "baseline" / "bench" / "summary.json").is_file()
+    # single_buckets: the c=1 pass over those and the sweep bucket only (here none: the sweep bucket alone)
+    groups = json.loads((out / "static" / "bench" / "summary.json").read_text())["groups"]
+    assert [g["name"] for g in groups if g["kind"] == "single"] == ["single/short"]
+    assert {g["concurrency"] for g in groups if g["kind"] == "sweep"} == {1, 2}
+    base = json.loads((out / "baseline" / "bench" / "summary.json").read_text())["groups"]
+    assert {g["name"] for g in base if g["kind"] == "single"} == {"single/decode", "single/short"}
 
     a = write_report(out)
     md = (out / "report.md").read_text()
