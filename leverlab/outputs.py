@@ -83,3 +83,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # None at position 0
+    # with prompt_logprobs: each prompt token's 1-based rank in the whole vocabulary (None at position 0)
+    prompt_ranks: list[int | None] | None = None

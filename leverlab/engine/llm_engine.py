@@ -16,7 +16,7 @@ from leverlab.engine.client import EnginePrompt, to_engine_prompt
 from leverlab.engine.detokenizer import Detokenizer, find_stop
 from leverlab.engine.model_runner import ModelRunner
 from leverlab.engine.request import Request
-from leverlab.engine.sampler import top_logprobs
+from leverlab.engine.sampler import token_ranks, top_logprobs
 from leverlab.engine.scheduler import Scheduler
 from leverlab.engine.sequence import Sequence
 from leverlab.errors import RequestError
@@ -141,6 +141,7 @@ class LLMEngine:
             seq = Sequence(next(self._seq_ids), request_id, i, ids, params, gen)
             if params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]
+                seq.prompt_ranks = [None]
             req.seqs.append(seq)
             req.detok.append(self.detokenizer.start(ids))
             req.texts.append("")
@@ -268,10 +269,12 @@ class LLMEngine:
         for seq, first, logits in chunks:
             targets = torch.tensor(seq.prompt_token_ids[first : first + logits.shape[0]])
             rows = top_logprobs(logits, targets, [seq.params.prompt_logprobs] * len(targets))
-            for j, d in enumerate(rows):
+            ranks = token_ranks(logits, targets)
+            for j, (d, rank) in enumerate(zip(rows, ranks)):
                 # After a preemption the prompt is recomputed: keep each position once.
                 if first + j == len(seq.prompt_logprobs):
                     seq.prompt_logprobs.append(d)
+                    seq.prompt_ranks.append(rank)
 
     # ---- introspection -----------------------------------------------------------------------------
     def counter_snapshot(self) -> dict[str, float]:

@@ -47,4 +47,5 @@ class Request:
             finished=self.finished,
             metrics=self.metrics,
             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
+            prompt_ranks=list(first.prompt_ranks) if first.prompt_ranks is not None else None,
         )

@@ -60,6 +60,13 @@ def _apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple
     return logits
 
 
+def token_ranks(logits: torch.Tensor, chosen: torch.Tensor) -> list[int]:
+    """logits [N, V]; chosen [N]: each chosen token's 1-based rank in its row (vLLM's count: the tokens at least
+    as likely, itself included). On the raw logits: the rank is the same as on the logprobs."""
+    logits = logits.float()
+    return (logits >= logits.gather(1, chosen[:, None])).sum(dim=-1).tolist()
+
+
 def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, ns: list[int]) -> list[PositionLogprobs]:
     """logits [N, V]; chosen [N]; ns[r] top alternatives for row r.
     For each row: {token: logprob}, the chosen token first, then the top ns[r] (the chosen one may be among them)."""

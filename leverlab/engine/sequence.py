@@ -39,6 +39,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks registered so far
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank in the vocabulary, with prompt_logprobs
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

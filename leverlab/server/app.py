@@ -261,9 +261,11 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
             raw_prompts = req.prompts()
             ticket = st.admission.reserve_seqs(len(raw_prompts), probe.n)  # before any tokenizing
             prompts = await _off_loop(st, _encode_all, engine, raw_prompts, size=sum(map(len, raw_prompts)))
-            longest = max(len(p.token_ids) for p in prompts)
-            params = req.sampling_params(default_max_tokens(req.max_tokens, longest, engine.max_model_len))
-            engine_prompts = [checked(engine, p, params.max_tokens) for p in prompts]
+            # each prompt of a batch gets its own room in the context, as in vLLM
+            per_prompt = [req.sampling_params(default_max_tokens(req.max_tokens, len(p.token_ids),
+                                                                 engine.max_model_len)) for p in prompts]
+            params = per_prompt[0]
+            engine_prompts = [checked(engine, p, pp.max_tokens) for p, pp in zip(prompts, per_prompt)]
         except Exception as e:
             if ticket is not None:
                 ticket.release()
@@ -280,13 +282,15 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
             chat=False,
             logprobs_k=params.logprobs,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            continuous_usage=_continuous_usage(req),
             n=params.n,
             token_text=R.TokenIdText() if req.return_tokens_as_token_ids else st.token_text,
             tokenize_s=[p.tokenize_s for p in prompts],
             echo=echo,
             prompt_logprobs_k=params.prompt_logprobs,
+            return_token_ids=req.return_token_ids,
         )
-        return await _serve(request, st, ctx, engine_prompts, params, req.stream, ticket)
+        return await _serve(request, st, ctx, engine_prompts, per_prompt, req.stream, ticket)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -298,13 +302,14 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
             # parameter errors first, before the template runs (max_tokens may need the prompt's length)
             requested = req.requested_max_tokens()
             probe = req.sampling_params(requested if requested is not None else max(1, req.min_tokens))
-            _check_logprobs(st, probe.logprobs, None)
+            _check_logprobs(st, probe.logprobs, probe.prompt_logprobs)
             template = st.templates.template_for(req)
             ticket = st.admission.reserve_seqs(1, probe.n)
             # Templates always render on a worker thread: even the server's own can be slow on a long chat.
             prompt = await asyncio.get_running_loop().run_in_executor(st.pool, encode_chat, engine, req, template)
             max_tokens = default_max_tokens(
-                req.requested_max_tokens(), len(prompt.token_ids), engine.max_model_len
+                req.requested_max_tokens(), len(prompt.token_ids), engine.max_model_len,
+                "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
             )
             params = req.sampling_params(max_tokens)
             engine_prompt = checked(engine, prompt, max_tokens)
@@ -319,11 +324,20 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
             chat=True,
             logprobs_k=params.logprobs,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            continuous_usage=_continuous_usage(req),
             n=params.n,
             token_text=st.token_text,
             tokenize_s=[prompt.tokenize_s],
+            prompt_logprobs_k=params.prompt_logprobs,
+            return_token_ids=req.return_token_ids,
         )
-        return await _serve(request, st, ctx, [engine_prompt], params, req.stream, ticket)
+        return await _serve(request, st, ctx, [engine_prompt], [params], req.stream, ticket)
+
+
+def _continuous_usage(req: Any) -> bool:
+    """vLLM's rule: continuous_usage_stats counts only together with include_usage."""
+    so = req.stream_options
+    return bool(so and so.include_usage and so.continuous_usage_stats)
 
 
 def _encode_all(engine: Any, prompts: list[str | list[int]]) -> list:
@@ -415,12 +429,13 @@ async def _unless_disconnected(request: Request, aw: Awaitable, stopped: asyncio
 
 
 async def _serve(
-    request: Request, st: ServerState, ctx: StreamContext, prompts: list[EnginePrompt], params: Any, stream: bool,
-    ticket: Ticket,
+    request: Request, st: ServerState, ctx: StreamContext, prompts: list[EnginePrompt], per_prompt: list[Any],
+    stream: bool, ticket: Ticket,
 ) -> Response:
-    """Run the admitted request; `ticket` (its sequences) is released when the response is done, whatever
-    way it ends."""
+    """Run the admitted request (`per_prompt`: each prompt's SamplingParams, which differ only in max_tokens);
+    `ticket` (its sequences) is released when the response is done, whatever way it ends."""
     engine = st.engine
+    params = per_prompt[0]
     ids = [ctx.request_id] if len(prompts) == 1 else [f"{ctx.request_id}-{i}" for i in range(len(prompts))]
     if st.log_requests:
         log.info("request %s: %d prompt(s), %s prompt tokens, n=%d, max_tokens=%d, stream=%s", ctx.request_id,
@@ -428,7 +443,7 @@ async def _serve(
                  stream)
     handed_off = False
     try:
-        streams = [engine.generate(p, params, rid) for p, rid in zip(prompts, ids)]
+        streams = [engine.generate(p, pp, rid) for p, pp, rid in zip(prompts, per_prompt, ids)]
         merged = merge(streams)
         tok_s = ctx.tokenize_s
         ctx.on_aborted = st.metrics.aborted.inc
@@ -511,20 +526,27 @@ async def _collect(
 def _full_response(ctx: StreamContext, finals: list[RequestOutput]) -> dict[str, Any]:
     tt, k = ctx.token_text, ctx.logprobs_k
     if ctx.chat:
-        choices = [R.chat_choice(tt, c, k) for c in finals[0].outputs]
+        choices = [R.chat_choice(tt, c, k, ctx.return_token_ids) for c in finals[0].outputs]
     else:
         choices = [
             R.completion_choice(tt, c, p * ctx.n + c.index, k, prefix=ctx.echo[p] if ctx.echo else "",
-                                prompt=out, prompt_k=ctx.prompt_logprobs_k)
+                                prompt=out, prompt_k=ctx.prompt_logprobs_k, token_ids=ctx.return_token_ids)
             for p, out in enumerate(finals)
             for c in out.outputs
         ]
-    return {
+    body = {
         "id": ctx.request_id,
         "object": "chat.completion" if ctx.chat else "text_completion",
         "created": ctx.created,
         "model": ctx.model,
         "choices": choices,
         "usage": R.usage(finals),
-        "timings": R.batch_timings(finals, ctx.tokenize_s),
+        "system_fingerprint": R.SYSTEM_FINGERPRINT,
     }
+    if ctx.chat:  # vLLM's chat extensions sit beside the choices (one prompt), always present, null unless asked
+        out = finals[0]
+        with_lp = ctx.prompt_logprobs_k is not None
+        body["prompt_logprobs"] = R.prompt_logprobs(tt, out, ctx.prompt_logprobs_k) if with_lp else None
+        body["prompt_token_ids"] = out.prompt_token_ids if ctx.return_token_ids or with_lp else None
+    body["timings"] = R.batch_timings(finals, ctx.tokenize_s)
+    return body

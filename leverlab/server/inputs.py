@@ -94,10 +94,12 @@ def checked(engine: Any, p: Prompt, max_tokens: int) -> EnginePrompt:
                            p.tokenize_s)
 
 
-def default_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
-    """The requested max_tokens, or (None) whatever room the context leaves after the prompt."""
-    if requested is not None:
-        return requested
+def default_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
+                       param: str = "max_tokens") -> int:
+    """The max_tokens a prompt runs with, by vLLM's rules: None means whatever room the context leaves after
+    the prompt; a number above the whole context is refused; any other is cut to that room (the answer ends
+    with finish_reason "length"), so a client that always sends a generous max_tokens works with long
+    prompts as it does against vLLM. A prompt that fills the context alone is refused."""
     room = max_model_len - prompt_len
     if room < 1:
         raise BadRequest(
@@ -106,4 +108,10 @@ def default_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
             "prompt",
             code="context_length_exceeded",
         )
-    return room
+    if requested is None:
+        return room
+    if requested > max_model_len:
+        raise BadRequest(f"{param}={requested} cannot be greater than this model's maximum context length of "
+                         f"{max_model_len} tokens; request fewer output tokens", param,
+                         code="context_length_exceeded")
+    return min(requested, room)

@@ -4,8 +4,8 @@ Validation is strict on types (`"5"` is not an integer, `true` is not a number) 
 so a wrong body becomes a 400 that names the field, never an exception deeper in the engine.
 Unknown fields are ignored, as vLLM does, so clients that send extra OpenAI fields (`user`, ...) still work.
 vLLM's extensions are accepted: `top_k`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
-`include_stop_str_in_output`, `skip_special_tokens`, (completions) `prompt_logprobs` and
-`return_tokens_as_token_ids`, and (chat) `add_generation_prompt`.
+`include_stop_str_in_output`, `skip_special_tokens`, `prompt_logprobs`, `return_token_ids`,
+(completions) `return_tokens_as_token_ids`, and (chat) `add_generation_prompt`.
 Parameters we do not implement (penalties, logit_bias, tools, ...) are refused when set, never ignored.
 """
 
@@ -43,7 +43,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM extension; accepted, usage comes once at the end
+    # vLLM extension: with include_usage, every chunk carries the usage so far (not only the last one)
+    continuous_usage_stats: bool = False
 
 
 class _CommonRequest(_Strict):
@@ -69,6 +70,10 @@ class _CommonRequest(_Strict):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM extensions: logprobs of the prompt's own tokens (perplexity, drift between configurations); and
+    # the generated (and prompt) token ids beside the text, so a client maps text back to exact tokens.
+    prompt_logprobs: int | None = None
+    return_token_ids: bool = False
 
     def _check_stop_token_ids(self, vocab_size: int) -> None:
         bad = next((t for t in self.stop_token_ids or [] if not 0 <= t < vocab_size), None)
@@ -97,9 +102,11 @@ class _CommonRequest(_Strict):
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self._refuse_unbuilt()
+        if self.prompt_logprobs is not None and self.stream:
+            raise BadRequest("prompt_logprobs is returned only without streaming; set stream to false",
+                             "prompt_logprobs")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOP_SEQUENCES:
             raise BadRequest(
@@ -122,7 +129,7 @@ class _CommonRequest(_Strict):
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
+                prompt_logprobs=self.prompt_logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
             )
@@ -144,9 +151,7 @@ class CompletionRequest(_CommonRequest):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-    # vLLM extensions: logprobs of the prompt's own tokens (perplexity, drift between configurations), and
-    # tokens shown as "token_id:N" so that a client compares exact ids rather than decoded pieces.
-    prompt_logprobs: int | None = None
+    # vLLM extension: tokens shown as "token_id:N" so that a client compares exact ids rather than decoded pieces.
     return_tokens_as_token_ids: bool = False
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
@@ -155,10 +160,7 @@ class CompletionRequest(_CommonRequest):
             raise BadRequest("suffix is not supported", "suffix")
         if self.echo and self.logprobs is not None:
             raise BadRequest("echo together with logprobs is not supported yet", "echo")
-        if self.prompt_logprobs is not None and self.stream:
-            raise BadRequest("prompt_logprobs is returned only without streaming; set stream to false",
-                             "prompt_logprobs")
-        return self._sampling_params(max_tokens, self.logprobs, self.prompt_logprobs)
+        return self._sampling_params(max_tokens, self.logprobs)
 
     def check_limits(self, limits: Any) -> None:
         """What can never fit, refused before tokenizing (body.Limits): too many token ids or too much text

@@ -11,10 +11,13 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from leverlab import __version__
 from leverlab.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 # JSON has no -inf; OpenAI clients expect a number. vLLM uses the same floor.
 LOGPROB_FLOOR = -9999.0
+# OpenAI's field (the backend configuration a response came from); vLLM sends "vllm-<version>-<hash>".
+SYSTEM_FINGERPRINT = f"leverlab-{__version__}"
 
 
 class OpenAIJSON(JSONResponse):
@@ -94,17 +97,20 @@ class TokenIdText:
 
 def prompt_logprobs(tt: TokenText, out: RequestOutput, k: int) -> list[dict[str, Any] | None] | None:
     """vLLM's shape: None for the first prompt token, then per position {"<id>": {"logprob", "rank",
-    "decoded_token"}} holding the prompt's own token and the top k. Rank is 1-based among the top k; null for
-    a prompt token outside them (its true rank is not kept)."""
+    "decoded_token"}} holding the prompt's own token and the top k. Rank is 1-based: among the top k, and for
+    the prompt's own token its rank in the whole vocabulary (as vLLM; null where the engine did not give it)."""
     if out.prompt_logprobs is None:
         return None
     rows: list[dict[str, Any] | None] = []
-    for pos in out.prompt_logprobs:
+    ranks = out.prompt_ranks or []
+    for i, pos in enumerate(out.prompt_logprobs):
         if pos is None:
             rows.append(None)
             continue
         top = _top(pos, k) if k > 0 else []
         rank = {tid: r + 1 for r, (tid, _) in enumerate(top)}
+        if i < len(ranks) and ranks[i] is not None and i < len(out.prompt_token_ids):
+            rank.setdefault(out.prompt_token_ids[i], ranks[i])
         rows.append({str(tid): {"logprob": _finite(lp), "rank": rank.get(tid), "decoded_token": tt.text(tid)}
                      for tid, lp in pos.items()})
     return rows
@@ -117,13 +123,18 @@ def _top(pos: PositionLogprobs, k: int) -> list[tuple[int, float]]:
 def completion_logprobs(
     tt: TokenText, token_ids: list[int], logprobs: list[PositionLogprobs], k: int, text_offset: int = 0
 ) -> dict[str, Any]:
-    """The legacy completions shape: parallel lists plus a top-k dict per position."""
+    """The legacy completions shape: parallel lists plus a dict per position of the chosen token and the top k
+    (vLLM's: the chosen token first, so logprobs=0 still shows it, and a sampled token outside the top k too)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, pos in zip(token_ids, logprobs):
         s = tt.text(tid)
+        lp = _finite(pos.get(tid, LOGPROB_FLOOR))
         tokens.append(s)
-        token_lps.append(_finite(pos.get(tid, LOGPROB_FLOOR)))
-        tops.append({tt.text(t): _finite(lp) for t, lp in _top(pos, k)} if k > 0 else None)
+        token_lps.append(lp)
+        top = {s: lp}
+        for t, x in _top(pos, k):  # two ids can print as one text: the first (most likely) keeps the key
+            top.setdefault(tt.text(t), _finite(x))
+        tops.append(top)
         offsets.append(text_offset)
         text_offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -185,26 +196,29 @@ def batch_timings(outs: list[RequestOutput], tokenize_s: list[float]) -> dict | 
 
 def completion_choice(
     tt: TokenText, c: CompletionOutput, index: int, k: int | None, prefix: str = "",
-    prompt: RequestOutput | None = None, prompt_k: int | None = None,
+    prompt: RequestOutput | None = None, prompt_k: int | None = None, token_ids: bool = False,
 ) -> dict[str, Any]:
-    """`prompt`/`prompt_k`: the request's output and k when the client asked for prompt_logprobs."""
+    """`prompt`/`prompt_k`: the request's output and k when the client asked for prompt_logprobs; `token_ids`:
+    vLLM's return_token_ids. The three vLLM keys are always there (null when not asked for), as in vLLM's
+    responses, so a client written against vLLM can index them."""
     lp = None
     if k is not None and c.logprobs is not None:
         lp = completion_logprobs(tt, c.token_ids, c.logprobs, k)
-    choice = {
+    with_prompt_lp = prompt is not None and prompt_k is not None
+    return {
         "index": index,
         "text": prefix + c.text,
         "logprobs": lp,
         "finish_reason": c.finish_reason,
         "stop_reason": c.stop_reason,
+        "token_ids": list(c.token_ids) if token_ids else None,
+        "prompt_logprobs": prompt_logprobs(tt, prompt, prompt_k) if prompt is not None and prompt_k is not None else None,
+        # with prompt_logprobs too: which token each row is for
+        "prompt_token_ids": prompt.prompt_token_ids if prompt is not None and (token_ids or with_prompt_lp) else None,
     }
-    if prompt is not None and prompt_k is not None:
-        choice["prompt_logprobs"] = prompt_logprobs(tt, prompt, prompt_k)
-        choice["prompt_token_ids"] = prompt.prompt_token_ids
-    return choice
 
 
-def chat_choice(tt: TokenText, c: CompletionOutput, k: int | None) -> dict[str, Any]:
+def chat_choice(tt: TokenText, c: CompletionOutput, k: int | None, token_ids: bool = False) -> dict[str, Any]:
     lp = None
     if k is not None and c.logprobs is not None:
         lp = chat_logprobs(tt, c.token_ids, c.logprobs, k)
@@ -214,4 +228,5 @@ def chat_choice(tt: TokenText, c: CompletionOutput, k: int | None) -> dict[str, 
         "logprobs": lp,
         "finish_reason": c.finish_reason,
         "stop_reason": c.stop_reason,
+        "token_ids": list(c.token_ids) if token_ids else None,
     }

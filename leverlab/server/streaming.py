@@ -2,8 +2,12 @@
 
 The engine yields cumulative outputs (text and token ids only grow); each chunk carries the difference since
 the last one, per choice. Every choice gets exactly one chunk with its finish_reason. With
-`stream_options.include_usage`, every chunk has `"usage": null` and one last chunk with no choices carries
-the usage. The last chunk also carries the `timings` extension field. The stream ends with `data: [DONE]`.
+`stream_options.include_usage`, every chunk has `"usage": null` (with vLLM's `continuous_usage_stats`: the
+request's usage so far) and one last chunk with no choices carries the usage. The last chunk also carries the
+`timings` extension field and `system_fingerprint`. The stream ends with `data: [DONE]`.
+
+vLLM's `return_token_ids`: each choice's chunk carries its new token ids (`token_ids`, null otherwise), and the
+prompt's ids come once (completions: in each choice's first chunk; chat: top-level in the first chunk).
 """
 
 from __future__ import annotations
@@ -93,7 +97,9 @@ class StreamContext:
     token_text: R.TokenText
     tokenize_s: list[float]  # server tokenize time, per prompt
     echo: list[str] | None = None  # completions echo: prompt text per prompt
-    prompt_logprobs_k: int | None = None  # completions prompt_logprobs (never streamed)
+    prompt_logprobs_k: int | None = None  # prompt_logprobs (never streamed)
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage so far in every chunk
+    return_token_ids: bool = False  # vLLM's return_token_ids
     on_finished: Callable[[RequestOutput], None] | None = None
     on_aborted: Callable[[], None] | None = None
     # Shutdown: `draining()` turns true at SIGTERM; `stop` is set once the engine has drained, and a stream
@@ -106,7 +112,8 @@ class StreamContext:
     finals: dict[int, RequestOutput] = field(default_factory=dict)
 
 
-def _delta_choice(ctx: StreamContext, c: CompletionOutput, index: int, sent: _Sent) -> dict | None:
+def _delta_choice(ctx: StreamContext, c: CompletionOutput, index: int, sent: _Sent,
+                  prompt_ids: list[int]) -> dict | None:
     new_text = c.text[sent.text :]
     new_ids = c.token_ids[sent.tokens :]
     finish = c.finish_reason if c.finished and not sent.finished else None
@@ -123,6 +130,7 @@ def _delta_choice(ctx: StreamContext, c: CompletionOutput, index: int, sent: _Se
             lp = R.completion_logprobs(ctx.token_text, new_ids, pos, ctx.logprobs_k, text_offset=sent.text)
     sent.text, sent.tokens, sent.started = len(c.text), len(c.token_ids), True
     sent.finished = sent.finished or finish is not None
+    token_ids = list(new_ids) if ctx.return_token_ids else None
     if ctx.chat:
         delta: dict[str, Any] = {"content": new_text}
         if first:
@@ -133,6 +141,7 @@ def _delta_choice(ctx: StreamContext, c: CompletionOutput, index: int, sent: _Se
             "logprobs": lp,
             "finish_reason": finish,
             "stop_reason": c.stop_reason,
+            "token_ids": token_ids,
         }
     if first and ctx.echo:
         new_text = ctx.echo[index // ctx.n] + new_text
@@ -142,6 +151,8 @@ def _delta_choice(ctx: StreamContext, c: CompletionOutput, index: int, sent: _Se
         "logprobs": lp,
         "finish_reason": finish,
         "stop_reason": c.stop_reason,
+        "token_ids": token_ids,
+        "prompt_token_ids": list(prompt_ids) if first and ctx.return_token_ids else None,
     }
 
 
@@ -166,6 +177,10 @@ async def event_stream(
 ) -> AsyncIterator[str]:
     """SSE lines for one request; `first` is the output already awaited before the response started."""
     sent: dict[tuple[int, int], _Sent] = {}
+    # continuous_usage_stats: each prompt's length and each choice's tokens so far (held-back ones included)
+    prompt_len: dict[int, int] = {}
+    generated: dict[tuple[int, int], int] = {}
+    first_chunk = True
     stop_wait: asyncio.Future | None = None
     try:
         pending = [first] if first is not None else []
@@ -183,9 +198,11 @@ async def event_stream(
                     yield sse(_chunk(ctx, _abort_choices(ctx, sent, num_prompts)))
                     break
             choices = []
+            prompt_len[p] = len(out.prompt_token_ids)
             for c in out.outputs:
                 index = p * ctx.n + c.index
-                ch = _delta_choice(ctx, c, index, sent.setdefault((p, c.index), _Sent()))
+                generated[(p, c.index)] = len(c.token_ids)
+                ch = _delta_choice(ctx, c, index, sent.setdefault((p, c.index), _Sent()), out.prompt_token_ids)
                 if ch is not None:
                     choices.append(ch)
             if out.finished:
@@ -194,9 +211,15 @@ async def event_stream(
                     ctx.on_finished(out)
             last = len(ctx.finals) == num_prompts
             chunk = _chunk(ctx, choices)
+            if ctx.chat and first_chunk and choices:  # vLLM: the prompt's ids once, in the first chunk
+                chunk["prompt_token_ids"] = list(out.prompt_token_ids) if ctx.return_token_ids else None
+            if ctx.continuous_usage:
+                chunk["usage"] = _usage_so_far(prompt_len, generated)
             if last and not ctx.include_usage:
+                chunk["system_fingerprint"] = R.SYSTEM_FINGERPRINT
                 chunk["timings"] = _timings(ctx)
             if choices or "timings" in chunk:
+                first_chunk = False
                 yield sse(chunk)
             if last:
                 break
@@ -204,6 +227,7 @@ async def event_stream(
             finals = [ctx.finals[i] for i in range(num_prompts)]
             chunk = _chunk(ctx, [])
             chunk["usage"] = R.usage(finals)
+            chunk["system_fingerprint"] = R.SYSTEM_FINGERPRINT
             chunk["timings"] = _timings(ctx)
             yield sse(chunk)
     except asyncio.CancelledError:
@@ -223,6 +247,13 @@ async def event_stream(
         if ctx.on_done is not None:
             ctx.on_done()
     yield DONE
+
+
+def _usage_so_far(prompt_len: dict[int, int], generated: dict[tuple[int, int], int]) -> dict[str, int]:
+    """The request's usage at this chunk: the prompts seen so far and every choice's tokens so far (vLLM's
+    chunks carry one choice each and count that choice; ours may carry several, so the request's total)."""
+    prompt, completion = sum(prompt_len.values()), sum(generated.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 class _Stopped(Exception):

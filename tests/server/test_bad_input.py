@@ -62,7 +62,6 @@ CASES = [
     ("completions", {"prompt": "hi", "max_tokens": -1}, 400, ["max_tokens"]),
     ("completions", {"prompt": "hi", "max_tokens": 0}, 400, ["max_tokens"]),
     ("completions", {"prompt": "hi", "max_tokens": 10**12}, 400, ["512", str(10**12)]),
-    ("completions", {"prompt": "hi " * 300, "max_tokens": 300}, 400, ["512", "300 for the completion"]),
     ("completions", {"prompt": "hi", "temperature": -1}, 400, ["temperature"]),
     ("completions", {"prompt": "hi", "temperature": 1e308}, 400, ["temperature"]),
     ("completions", {"prompt": "hi", "top_p": 0}, 400, ["top_p"]),
