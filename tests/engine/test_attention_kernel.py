@@ -186,3 +186,34 @@ def test_either_cache_layout_gives_the_same_bits(cache):
         with pytest.raises(RuntimeError, match="laid out as the cache"):
             kern.paged_decode(q, k, v, head[0], head[1], slots, tables, lens, torch.arange(b + 1), 0.1, 0,
                               scales[0][0].contiguous(), scales[0][1].contiguous())
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fresh_bf16_prefill_takes_sdpa_on_amx_and_the_rest_the_tiles(d):
+    """On a CPU with AMX a fresh bf16 span (its whole context new) of 64+ tokens is PyTorch's flash attention on
+    the new rows, bit for bit; a chunk after cached context, a short prompt and a decode in the same batch keep the
+    tiled kernel (the same bits as with the AMX path switched off), and every new K/V lands in its slot either way."""
+    kern = cpu_kernels.kernels()
+    if kern is None or not kern.amx_bf16_enabled():
+        pytest.skip("no AMX-BF16 on this CPU (or switched off): fresh prefill stays on the tiled kernel")
+    g = torch.Generator().manual_seed(5)
+    nb, bs, kvh, h = 64, 16, 2, 6
+    lens, spans = [200, 150, 40, 9], [200, 61, 40, 1]  # fresh; 89 cached + 61 new; fresh but short; a decode
+    kc, vc = (torch.randn(nb, bs, kvh, d, generator=g).bfloat16() for _ in range(2))
+    q, k, v, *meta = span_batch(g, lens, spans, nb, bs, 13, h, kvh, d, torch.bfloat16)  # 13 blocks hold 200
+    args = (*meta, d**-0.5)
+    kc2, vc2 = kc.clone(), vc.clone()
+    try:
+        kern.set_amx_bf16(False)
+        tiled = attention_impl(q, k, v, kc2, vc2, *args)
+    finally:
+        kern.set_amx_bf16(True)
+    ours = attention_impl(q, k, v, kc, vc, *args)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    n = spans[0]
+    qb, kb, vb = (t[:n].transpose(0, 1)[None] for t in (q, k, v))
+    flash = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=d**-0.5,
+                                                             enable_gqa=True)[0].transpose(0, 1)
+    assert torch.equal(ours[:n], flash)
+    assert torch.equal(ours[n:], tiled[n:])
+    assert (ours[:n].float() - tiled[:n].float()).abs().max() < 3e-2  # the tiles round less, not differently
