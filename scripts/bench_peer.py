@@ -54,6 +54,7 @@ import argparse
 import contextlib
 import json
 import os
+import select
 import signal
 import statistics
 import struct
@@ -378,20 +379,26 @@ class VllmWorker:
     """scripts/vllm_inprocess.py under vLLM's python: one model loaded once, measured over JSON lines (its
     docstring has the protocol); its log (vLLM's own output) goes to `log`."""
 
-    def __init__(self, cmd: list, env: dict | None, log: Path):
-        self.log = log
+    def __init__(self, cmd: list, env: dict | None, log: Path, start_timeout: float = 900,
+                 measure_timeout: float = 1800):
+        self.log, self.measure_timeout = log, measure_timeout
         # A session of its own: vLLM's engine and model-runner processes are its children, and a worker stopped
         # while it loads (a failed start, our SIGTERM) must not leave them behind; close() ends the group.
         with open(log, "wb") as f:
             self.proc = subprocess.Popen([str(c) for c in cmd], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=f, env=env, text=True, cwd=ROOT, start_new_session=True)
         try:
-            self.ready = self._recv()["ready"]
+            self.ready = self._recv(start_timeout)["ready"]
         except BaseException:
             self.close()
             raise
 
-    def _recv(self) -> dict:
+    def _recv(self, timeout: float) -> dict:
+        # A worker that hangs (a stuck load, a deadlocked engine) must not hang the run: wait for its line at most
+        # `timeout`. select on the pipe is sound here: one reply is in flight at a time, so nothing is left
+        # buffered on our side between replies.
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            raise RuntimeError(f"the vLLM worker gave no answer in {timeout:.0f} s (log: {self.log})")
         line = self.proc.stdout.readline()
         if not line:
             self.proc.wait(30)
@@ -405,7 +412,7 @@ class VllmWorker:
     def measure(self, key: str, prompts: list[list[int]], decode_len: int) -> dict:
         self.proc.stdin.write(json.dumps({"measure": key, "prompts": prompts, "decode_len": decode_len}) + "\n")
         self.proc.stdin.flush()
-        return self._recv()
+        return self._recv(self.measure_timeout)
 
     def close(self) -> None:
         with contextlib.suppress(OSError, ValueError):
@@ -483,7 +490,7 @@ class Vllm(Peer):
             t0 = time.perf_counter()
             try:
                 self.workers[p] = VllmWorker(self.worker_command(p, args), self.worker_env(args),
-                                             work / f"vllm-{p}.log")
+                                             work / f"vllm-{p}.log", args.server_start_timeout)
                 r = self.workers[p].ready
                 print(f"vLLM {p} ({self.format_of(p)}): loaded and warmed in {time.perf_counter() - t0:.0f} s "
                       f"(own process; per-request engine timestamps: {r['engine_timestamps']})", flush=True)
@@ -508,7 +515,8 @@ class Vllm(Peer):
             r = w.measure(key, prompts, args.decode_len)
         except RuntimeError as e:
             print(f"    vLLM {prec} {key}: {e}", flush=True)
-            if w.proc.poll() is not None:
+            if w.proc.poll() is not None or "no answer" in str(e):  # dead or stuck: its figures are missing now
+                w.close()
                 self.workers[prec] = None
             return None, None
         return r["tok_s"], {"timing": r.get("timing")}

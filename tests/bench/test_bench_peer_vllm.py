@@ -153,10 +153,10 @@ def test_vllm_peer_folders_bytes_server_and_binding(bench_peer, monkeypatch, tmp
         bench_peer.Vllm().prepare(args)
 
 
-def _worker(bench_peer, tmp_path, **env):
+def _worker(bench_peer, tmp_path, start_timeout=120, **env):
     e = {**os.environ, "PYTHONPATH": str(FAKE_VLLM), **env}
     cmd = [sys.executable, ROOT / "scripts" / "vllm_inprocess.py", "--model", "m", "--warm-rows", "2"]
-    return bench_peer.VllmWorker(cmd, e, tmp_path / "worker.log")
+    return bench_peer.VllmWorker(cmd, e, tmp_path / "worker.log", start_timeout)
 
 
 def test_worker_protocol_against_a_stand_in_vllm(bench_peer, tmp_path):
@@ -202,3 +202,15 @@ def test_decode_rate_counts_tokens_after_every_first_token(monkeypatch):
     # timestamps are its engine's monotonic clock, 0 where it kept none)
     assert vi.decode_rate([out(11, 10.0, 11.0), out(11, 10.5, 11.5)]) == (pytest.approx(15.0), "engine")
     assert vi.decode_rate([SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0])], metrics=None)]) is None
+
+
+def test_worker_stuck_in_its_load_is_stopped(bench_peer, tmp_path, monkeypatch):
+    """A load that never answers raises after the start timeout, and the worker's whole session is gone."""
+    started = []
+    real = bench_peer.subprocess.Popen
+    monkeypatch.setattr(bench_peer.subprocess, "Popen", lambda *a, **k: started.append(real(*a, **k)) or started[-1])
+    with pytest.raises(RuntimeError, match="no answer in 3 s"):
+        _worker(bench_peer, tmp_path, start_timeout=3, FAKE_VLLM_HANG="1")
+    assert started[0].poll() is not None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(started[0].pid, 0)

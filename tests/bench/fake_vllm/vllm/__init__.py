@@ -1,7 +1,8 @@
 """A stand-in for vLLM's offline API, just enough for scripts/vllm_inprocess.py: tests of bench_peer's vLLM worker
 protocol run without vLLM. Each decode step takes 10 ms of engine time and each prompt token 0.1 ms, so the rates
 the worker reports are known: 100 tok/s a sequence, 10,000 prompt tok/s. FAKE_VLLM_NO_METRICS=1 keeps no
-per-request timestamps (the worker's wall-clock path); FAKE_VLLM_FAIL=1 fails at load."""
+per-request timestamps (the worker's wall-clock path); FAKE_VLLM_FAIL=1 fails at load, FAKE_VLLM_HANG=1 never
+finishes loading."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ class SamplingParams:
 
 class LLM:
     def __init__(self, model: str, **kwargs):
+        if os.environ.get("FAKE_VLLM_HANG"):
+            time.sleep(600)  # a load that never finishes
         if os.environ.get("FAKE_VLLM_FAIL"):
             raise RuntimeError("fake load failure")
         self.kwargs = kwargs
