@@ -299,10 +299,12 @@ def _levers(d: Doc, c: dict[str, Any], engines: list[str], cmax: int) -> None:
     d.table(
         ["config", "change"]
         + [f"{e}: {col}" for e in engines for col in cols]
-        + [f"{engines[0]} / {e}: decode c=1" for e in engines[1:]],
+        + [f"decode c=1: {engines[0]} / {e}" for e in engines[1:]],
         rows,
         cls="sidebyside",
-        groups=[("", 2)] + [(e, len(cols)) for e in engines] + ([("engines at c=1", len(engines) - 1)] if len(engines) > 1 else []),
+        groups=[("", 2)]
+        + [(e, len(cols)) for e in engines]
+        + ([("decode c=1", len(engines) - 1)] if len(engines) > 1 else []),
     )
 
 

@@ -189,7 +189,7 @@ def test_one_report_for_three_engines_with_lever_by_lever_findings(three, tmp_pa
     assert bc["parent"] == "int8-ngram" and bc["decode_x"] == pytest.approx(1.25) and "ngram K=4" in bc["substituted"]
     assert "beta 1.25x its int8-ngram (substituted)" in f["champion"]["text"]
     assert "not measured on beta: speculation: no EAGLE here" in f["int8-eagle"]["text"]
-    assert "## Findings: the engines compared lever by lever" in md and "alpha / beta: decode c=1" in md
+    assert "## Findings: the engines compared lever by lever" in md and "decode c=1: alpha / beta" in md
     # one machine: no bandwidth-ratio check, no faster-memory finding
     assert "bandwidth-ratio check" not in md and "Faster memory is the cleanest lever" not in md
     assert all(x["id"] != "5" for fs in c["reference_findings"].values() for x in fs)

@@ -119,6 +119,7 @@ th.group {{ text-align: center; background: #e3e9f1; }}
 tbody tr:nth-child(even) {{ background: #fafafa; }}
 table.progression td:nth-child(n+3) {{ text-align: right; white-space: nowrap; }}
 table.progression td:last-child {{ text-align: left; white-space: normal; min-width: 14em; }}
+table.sidebyside {{ display: block; overflow-x: auto; max-width: 100%; }}
 table.sidebyside td:nth-child(n+3) {{ text-align: right; white-space: nowrap; }}
 figure {{ display: inline-block; margin: 0.5em 1em 1em 0; }}
 img {{ max-width: 560px; border: 1px solid #ddd; }}
