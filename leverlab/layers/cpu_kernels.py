@@ -20,6 +20,26 @@ log = logging.getLogger("leverlab")
 SRC = Path(__file__).parent / "csrc"
 
 
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def build_key() -> str:
+    """The build folder's name: a hash of what the binary depends on (every source and header, torch's version,
+    the flags, this CPU's features, which -march=native compiles for). One folder per key, not one for all:
+    torch's ninja file holds the absolute source paths of whichever checkout built last, so two checkouts of the
+    same commit (a user's clone beside CI's) rebuilt everything each time they alternated (2-5 minutes each)."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for f in sorted(SRC.iterdir()):
+        if f.suffix in (".cpp", ".h"):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    h.update(f"{torch.__version__} {' '.join(CFLAGS)} {' '.join(sorted(env.cpu_flags()))}".encode())
+    return h.hexdigest()[:16]
+
+
 @cache
 def kernels():
     """The compiled module, or None when it cannot be built here."""
@@ -28,11 +48,11 @@ def kernels():
     try:
         from torch.utils.cpp_extension import load
 
-        build = env.cache_dir() / "cpp_kernels"
-        build.mkdir(parents=True, exist_ok=True)
         sources = [str(SRC / name) for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp",
                                                    "quant_linear.cpp", "fused_decoder.cpp", "amx_int8.cpp",
                                                    "amx_bf16.cpp")]
+        build = env.cache_dir() / "cpp_kernels" / build_key()
+        build.mkdir(parents=True, exist_ok=True)
         # torch's own build lock is a plain file: a build killed midway (Ctrl-C during the first start) leaves
         # it behind and every later start waits on it forever, silently. An flock dies with its holder, so
         # whoever holds ours knows that any torch lock still present is stale.
@@ -51,7 +71,7 @@ def kernels():
             notice.start()
             try:
                 module = load(name="leverlab_cpu_kernels", sources=sources, build_directory=str(build),
-                              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                              extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                               verbose=False)
             finally:
                 notice.cancel()
