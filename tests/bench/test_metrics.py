@@ -170,3 +170,15 @@ def test_payload_holds_length_like_vllm():
     )
     assert p["messages"] == [{"role": "user", "content": "hi"}] and p["min_tokens"] == 7 and p["top_k"] == 1
     assert "ignore_eos" not in p
+
+
+def test_a_coalesced_stream_has_no_decode_rate():
+    """All of a request's tokens in one or two chunks (a server holding its stream back): its 1 / TPOT would read
+    the hand-off, so it is counted apart and left out of decode_tok_s; TPOT keeps vllm's definition."""
+    spread = rec(0, ttft=0.1, e2e=1.1, out=11, itl=[0.1] * 10)
+    held = rec(1, ttft=0.65, e2e=0.651, out=129, itl=[0.001])  # 128 tokens 1 ms after the first
+    agg = metrics.aggregate([spread, held], duration_s=1.0)
+    assert agg["coalesced_streams"] == 1
+    assert agg["decode_tok_s"]["n"] == 1 and agg["decode_tok_s"]["p50"] == pytest.approx(10.0)
+    assert agg["tpot_ms"]["n"] == 2
+    assert not metrics.coalesced(rec(2, ttft=0.1, e2e=0.2, out=3, itl=[0.1]))  # short outputs say nothing
