@@ -25,14 +25,15 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 def build_key() -> str:
     """The build folder's name: a hash of what the binary depends on (every source and header, torch's version,
-    the flags, this CPU's features, which -march=native compiles for). One folder per key, not one for all:
-    torch's ninja file holds the absolute source paths of whichever checkout built last, so two checkouts of the
-    same commit (a user's clone beside CI's) rebuilt everything each time they alternated (2-5 minutes each)."""
+    the flags, this CPU's features, which -march=native compiles for) and of the checkout's own source folder.
+    One folder per key, not one for all: torch writes the absolute source paths into its ninja file, and ninja
+    rebuilds when they change, so two checkouts sharing a folder (a user's clone beside CI's, a working tree beside
+    a fresh clone) rebuilt everything each time they alternated (2-5 minutes each; 15 under load)."""
     import hashlib
 
     import torch
 
-    h = hashlib.sha256()
+    h = hashlib.sha256(str(SRC.resolve()).encode())
     for f in sorted(SRC.iterdir()):
         if f.suffix in (".cpp", ".h"):
             h.update(f.name.encode() + b"\0" + f.read_bytes())
