@@ -613,6 +613,14 @@ class FusedDecoder {
       for (int64_t sp = s0; sp < s1; ++sp) {
         const int64_t t = sp / spans, e = std::min(I, (sp % spans + 1) * kActSpan);
         int64_t i = sp % spans * kActSpan;
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<T, c10::BFloat16>)
+          for (; i + 16 <= e; i += 16) {
+            const c10::BFloat16* gi = g + t * 2 * I + i;
+            bf16x16_store(a + t * I + i,
+                          _mm512_mul_ps(bf16x16_round(silu16(bf16x16_load(gi))), bf16x16_load(gi + I)));
+          }
+#endif
 #if LEVERLAB_FUSED_BF16X8
         if constexpr (std::is_same_v<T, c10::BFloat16>)
           for (; i + 8 <= e; i += 8) {

@@ -80,6 +80,34 @@ inline __m256 silu8(__m256 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// exp8_nonpositive and silu8 in sixteen lanes (the same steps): the SiLU of a prefill's [T, I] activations ran
+// scalar on AVX-512 CPUs, ~1 ns an element, 14% of a 512-token prefill of the bundled model on one thread.
+inline __m512 exp16_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+inline __m512 silu16(__m512 x) {
+  const __m512 e = exp16_nonpositive(_mm512_min_ps(x, _mm512_sub_ps(_mm512_setzero_ps(), x)));
+  const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 num = _mm512_mask_blend_ps(neg, _mm512_set1_ps(1.f), e);
+  return _mm512_mul_ps(x, _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+}
+#endif
+
 // The index of the first maximum of x[0, n) (torch.argmax's choice where x holds no NaN; NaNs are skipped, and
 // 0 is returned where nothing is above -inf). The head's logits are 150K wide for a Qwen3: the scalar loop took
 // ~1% of a 0.6B int4 decode step.
