@@ -338,9 +338,6 @@ class LlamaCpp(Peer):
                 "-c", args.batch * slot, "--host", "127.0.0.1", "--port", port, "--metrics"], None
 
 
-# our precision -> `leverlab quantize` method whose folder vLLM's CPU build reads (bf16: the checkpoint itself).
-# fp8 on the fly is not among them: its CPU build fails at the first step (_C::static_scaled_fp8_quant).
-VLLM_EXPORTS = {"int8": "w8a8", "int4": "int4"}
 VLLM_FORMATS = {"bf16": "bf16", "int8": "W8A8 int8 (compressed-tensors)", "int4": "AWQ int4, group 64"}
 
 
@@ -353,21 +350,6 @@ def safetensors_bytes(folder: Path) -> int:
             header = json.loads(fh.read(n))
         total += sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items() if k != "__metadata__")
     return total
-
-
-def vllm_export(model: Path, prec: str) -> Path:
-    """The folder vLLM reads for this precision: the checkpoint for bf16, else our quantize command's export,
-    written once into the cache beside vLLM's venv (the layout the study's vLLM engine uses, so both share it),
-    keyed by the checkpoint's identity."""
-    if prec not in VLLM_EXPORTS:
-        return model
-    from leverlab import env
-    from leverlab.quant.quantize_cli import quantize_folder
-
-    dst = env.cache_dir() / "vllm" / "checkpoints" / peer_llamacpp.model_key(model) / VLLM_EXPORTS[prec]
-    if not (dst / "config.json").is_file():  # config.json is written last: its presence means complete
-        quantize_folder(model, dst, VLLM_EXPORTS[prec], overwrite=True)
-    return dst
 
 
 def max_model_len(args) -> int:
@@ -449,9 +431,9 @@ class Vllm(Peer):
             raise PeerUnavailable(peer_vllm.missing())
         for p in args.precisions:
             try:
-                self.folders[p] = vllm_export(Path(args.model), p)
+                self.folders[p] = peer_vllm.quantized_folder(Path(args.model), p)
             except (OSError, ValueError) as e:
-                raise PeerUnavailable(f"could not write the {VLLM_EXPORTS[p]} folder vLLM reads: {e}") from e
+                raise PeerUnavailable(f"could not write the {peer_vllm.EXPORTS[p]} folder vLLM reads: {e}") from e
         return {"vllm_python": str(self.python), "vllm_version": peer_vllm.VERSION,
                 "folders": {p: str(f) for p, f in self.folders.items()}, "env": self.bind_env(args)}
 

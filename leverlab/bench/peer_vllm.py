@@ -33,6 +33,9 @@ MISMATCHED = ("torchvision", "torchaudio", "torchcodec")
 STAMP = ".leverlab-vllm-installed"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 DEFAULT_KV_GIB = 2  # VLLM_CPU_KVCACHE_SPACE: vLLM's CPU KV space; its default (4 GiB) is more than a 2-core box needs
+# our precision -> `leverlab quantize` method whose folder vLLM's CPU build reads. fp8 on the fly is not among
+# them: its CPU build fails at the first step (_C::static_scaled_fp8_quant).
+EXPORTS = {"int8": "w8a8", "int4": "int4"}
 
 
 class PeerError(RuntimeError):
@@ -91,6 +94,21 @@ def install(root: Path | None = None) -> Path:
         raise PeerError(f"vLLM does not import after the install:\n{check.stderr[-2000:]}")
     (root / STAMP).write_text(check.stdout)
     return root / "bin" / "python"
+
+
+def quantized_folder(model: Path, precision: str) -> Path:
+    """The folder vLLM reads for `precision`: the checkpoint itself unless EXPORTS names an export, which our
+    quantize command writes once into the cache beside vLLM's venv, keyed by the checkpoint's identity (the study's
+    vLLM engine and scripts/bench_peer.py share it)."""
+    if precision not in EXPORTS:
+        return model
+    from leverlab.bench.peer_llamacpp import model_key
+    from leverlab.quant.quantize_cli import quantize_folder  # torch: only when a folder is written
+
+    dst = env.cache_dir() / "vllm" / "checkpoints" / model_key(model) / EXPORTS[precision]
+    if not (dst / "config.json").is_file():  # config.json is written last: its presence means complete
+        quantize_folder(model, dst, EXPORTS[precision], overwrite=True)
+    return dst
 
 
 def server_command(model: str, port: int, *args: str, root: Path | None = None) -> list[str]:

@@ -130,9 +130,9 @@ def test_vllm_peer_folders_bytes_server_and_binding(bench_peer, monkeypatch, tmp
                          "b": {"dtype": "I8", "shape": [10], "data_offsets": [24, 34]}}).encode()
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(34))
     assert bench_peer.safetensors_bytes(tmp_path) == 34
-    assert bench_peer.vllm_export(tmp_path, "bf16") == tmp_path
+    assert bench_peer.peer_vllm.quantized_folder(tmp_path, "bf16") == tmp_path
     monkeypatch.setattr(bench_peer.peer_vllm, "python", lambda root=None: Path("/venv/bin/python"))
-    monkeypatch.setattr(bench_peer, "vllm_export", lambda model, p: tmp_path)
+    monkeypatch.setattr(bench_peer.peer_vllm, "quantized_folder", lambda model, p: tmp_path)
     args = _args(bench_peer, "--peers", "vllm", "--precisions", "bf16,int4", "--threads", "1")
     v = bench_peer.Vllm()
     info = v.prepare(args)

@@ -30,12 +30,13 @@ import shutil
 import time
 from pathlib import Path
 
+from leverlab.bench import peer_vllm
+from leverlab.bench.peer_vllm import EXPORTS
 from leverlab.study.engines.base import Engine, StartFailed, served_model
+from leverlab.study.engines.leverlab import resolve
 from leverlab.study.plan import Levers
 
 ON_THE_FLY = {"fp8": "fp8"}  # --quantization values vLLM applies to a bf16 checkpoint at load
-# study precision -> `leverlab quantize` method whose folder vLLM reads
-EXPORTS = {"int8": "w8a8", "int4": "int4"}
 # The keys of --speculative-config this adapter passes (vLLM's SpeculativeConfig names them the same).
 VLLM_SPEC_KEYS = (
     "method",
@@ -55,7 +56,6 @@ def _eagle_problem(head: str) -> str | None:
     from leverlab.errors import UnsupportedLever
     from leverlab.spec.eagle3_format import detect_format, vllm_problems
     from leverlab.spec.eagle_head import EagleConfig
-    from leverlab.study.engines.leverlab import resolve
 
     path = resolve(head)
     if path is None:
@@ -95,8 +95,6 @@ class VLLMEngine(Engine):
     fidelity_mode = "http"
 
     def __init__(self, checkpoints: dict[str, str] | None = None, threads: int | None = None, **_):
-        from leverlab.bench import peer_vllm
-
         self.checkpoints = dict(checkpoints or {})  # precision -> folder, given by --vllm-checkpoint
         self.exports: dict[tuple[str, str], str] = {}  # (model folder, precision) -> folder, from prepare()
         self.errors: dict[str, str] = {}  # precision -> why its folder could not be written
@@ -107,8 +105,6 @@ class VLLMEngine(Engine):
     def installed(self) -> str | None:
         if self.python or self.binary:
             return None
-        from leverlab.bench import peer_vllm
-
         return peer_vllm.missing()
 
     # ---- files ---------------------------------------------------------------------------------------------
@@ -141,18 +137,10 @@ class VLLMEngine(Engine):
 
     @staticmethod
     def _export(folder: str, prec: str) -> Path:
-        from leverlab import env
-        from leverlab.bench.peer_llamacpp import model_key
-        from leverlab.quant.quantize_cli import quantize_folder
-        from leverlab.study.engines.leverlab import resolve
-
         src = resolve(folder)
         if src is None or not src.is_dir():
             raise ValueError(f"{folder} is not a model folder")
-        dst = env.cache_dir() / "vllm" / "checkpoints" / model_key(src) / EXPORTS[prec]
-        if not (dst / "config.json").is_file():  # config.json is written last: its presence means complete
-            quantize_folder(src, dst, EXPORTS[prec], overwrite=True)
-        return dst
+        return peer_vllm.quantized_folder(src, prec)
 
     def _weights(self, model: str, levers: Levers) -> str:
         """The folder this configuration serves: the user's checkpoint, our export, or the model itself."""
@@ -213,16 +201,12 @@ class VLLMEngine(Engine):
             args += ["--data-parallel-size", str(levers.data_parallel_size)]
         args += ["--max-num-seqs", str(levers.max_num_seqs)]
         if self.python:
-            from leverlab.bench import peer_vllm
-
             return peer_vllm.server_command(weights, port, *args)
         return [self.binary or "vllm", "serve", weights, "--host", "127.0.0.1", "--port", str(port), *args]
 
     def env(self, levers: Levers | None = None) -> dict[str, str]:
         if not self.python:
             return super().env()
-        from leverlab.bench import peer_vllm
-
         ranks = levers.tensor_parallel_size * levers.data_parallel_size if levers else 1
         return peer_vllm.server_env(self.threads, ranks=ranks)
 
@@ -238,14 +222,11 @@ class VLLMEngine(Engine):
             spec.setdefault("prompt_lookup_max", SpeculativeConfig.prompt_lookup_max)
         if spec.get("method") in ("eagle", "eagle3") and spec.get("model"):
             from leverlab.spec.eagle3_format import speculators_export_of
-            from leverlab.study.engines.leverlab import resolve
 
             head, target = resolve(spec["model"]), resolve(model)
             if head is not None and target is not None:
                 spec.update(method="eagle3", model=str(speculators_export_of(head, target)))
         elif spec.get("model"):
-            from leverlab.study.engines.leverlab import resolve
-
             spec["model"] = str(resolve(spec["model"]) or spec["model"])
         return spec
 
