@@ -18,14 +18,10 @@ from typing import Any
 
 from leverlab.study.analysis import analyze, to_jsonable
 from leverlab.study.report.doc import Doc
-from leverlab.study.report.fmt import _m, fmt, pct, rx, status_text
+from leverlab.study.report.fmt import _m, fmt, pct, ratio, rx, status_text
 
 TRACK_TOLERANCE = 0.25  # the predictions' own tolerance (predict.py flags gaps over 25%)
 SAME_MEMORY = 0.10  # bandwidth ratios within 10% of 1 are the same memory, given run-to-run drift
-
-
-def _ratio(b: Any, a: Any) -> float | None:
-    return b / a if isinstance(a, int | float) and isinstance(b, int | float) and a and b else None
 
 
 def _identical(c: dict[str, Any] | None) -> str:
@@ -37,7 +33,7 @@ def compare(a_dir: Path, b_dir: Path, labels: tuple[str, str] | None = None) -> 
     """The numbers of the comparison (what compare.json holds)."""
     A, B = analyze(Path(a_dir)), analyze(Path(b_dir))
     la, lb = labels or (f"{A['engine']} ({Path(a_dir).name})", f"{B['engine']} ({Path(b_dir).name})")
-    bw_ratio = _ratio(B.get("bandwidth_gbs"), A.get("bandwidth_gbs"))
+    bw_ratio = ratio(B.get("bandwidth_gbs"), A.get("bandwidth_gbs"))
     by_a = {c["name"]: c for c in A["configs"]}
     by_b = {c["name"]: c for c in B["configs"]}
     names = list(by_a) + [n for n in by_b if n not in by_a]
@@ -45,7 +41,7 @@ def compare(a_dir: Path, b_dir: Path, labels: tuple[str, str] | None = None) -> 
     for n in names:
         ca, cb = by_a.get(n), by_b.get(n)
         ma, mb = _m(ca or {}), _m(cb or {})
-        speedup = _ratio(mb.get("decode_tok_s"), ma.get("decode_tok_s"))
+        speedup = ratio(mb.get("decode_tok_s"), ma.get("decode_tok_s"))
         rows.append(
             {
                 "name": n,
@@ -53,9 +49,9 @@ def compare(a_dir: Path, b_dir: Path, labels: tuple[str, str] | None = None) -> 
                 "a": ca,
                 "b": cb,
                 "decode_speedup": speedup,
-                "latency_speedup": _ratio(ma.get("e2e_p50_s"), mb.get("e2e_p50_s")),
-                "throughput_ratio": _ratio(mb.get("rps_cmax"), ma.get("rps_cmax")),
-                "speedup_over_bandwidth": _ratio(speedup, bw_ratio),
+                "latency_speedup": ratio(ma.get("e2e_p50_s"), mb.get("e2e_p50_s")),
+                "throughput_ratio": ratio(mb.get("rps_cmax"), ma.get("rps_cmax")),
+                "speedup_over_bandwidth": ratio(speedup, bw_ratio),
             }
         )
     return {

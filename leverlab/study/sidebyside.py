@@ -22,7 +22,7 @@ from typing import Any
 from leverlab.study.analysis import analyze, to_jsonable
 from leverlab.study.findings import MARGIN
 from leverlab.study.report.doc import Doc
-from leverlab.study.report.fmt import _m, fmt, pct, rx
+from leverlab.study.report.fmt import _m, fmt, pct, ratio, rx
 
 # The reference finding that needs two machines (findings.check_memory); the one-machine report drops it.
 TWO_MACHINE_FINDINGS = ("5",)
@@ -40,10 +40,6 @@ def same_machine(states: list[dict[str, Any]]) -> str | None:
         h, n = hosts.pop()
         return f"one host ({h}, {n} cores)"
     return None
-
-
-def _ratio(a: Any, b: Any) -> float | None:
-    return a / b if isinstance(a, int | float) and isinstance(b, int | float) and a and b else None
 
 
 def _cell(c: dict[str, Any] | None) -> dict[str, Any]:
@@ -134,18 +130,18 @@ def lever_findings(rows: list[dict[str, Any]], engines: list[str]) -> list[dict[
             if p.get("status") != "done":
                 per[e] = {"status": "parent not measured", "why": f"its parent {parent} was not measured"}
                 continue
-            dec = _ratio(c["decode_tok_s"], p.get("decode_tok_s"))
+            dec = ratio(c["decode_tok_s"], p.get("decode_tok_s"))
             per[e] = {
                 "status": "done",
                 "parent": parent,
                 "decode_x": dec,
-                "out_x": _ratio(c["out_tok_s_cmax"], p.get("out_tok_s_cmax")),
+                "out_x": ratio(c["out_tok_s_cmax"], p.get("out_tok_s_cmax")),
                 "verdict": _verdict(dec),
                 "substituted": (c.get("substitution") or {}).get("label"),
             }
         ref = engines[0]
         across = {
-            e: _ratio(r["engines"][ref]["decode_tok_s"], r["engines"][e]["decode_tok_s"]) for e in engines[1:]
+            e: ratio(r["engines"][ref]["decode_tok_s"], r["engines"][e]["decode_tok_s"]) for e in engines[1:]
         }
         out.append(
             {"config": r["name"], "change": r["change"], "engines": per, "first_over": across, "text": _text(r, per, across, engines)}

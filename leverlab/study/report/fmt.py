@@ -22,7 +22,8 @@ def pct(x: Any) -> str:
 
 
 def ratio(a: Any, b: Any) -> float | None:
-    return a / b if a and b else None
+    """a / b, or None when either is missing, zero or not a number."""
+    return a / b if isinstance(a, int | float) and isinstance(b, int | float) and a and b else None
 
 
 def _m(c: dict[str, Any]) -> dict[str, Any]:
