@@ -22,7 +22,7 @@ def main() -> int:
     import torch
     import torch.nn.functional as F
 
-    from leverlab.layers import cpu_kernels
+    from leverlab.kernels import cpu_kernels
     from leverlab.study.bandwidth import measure_bandwidth
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -16,3 +16,16 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
     echo "$want" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
+# The C++ kernels, built once per source content into the cache that every checkout shares
+# (leverlab/kernels/cpu_kernels.py), so the first model load does not pay the compile. A build that fails stops
+# here with the compiler's error; LEVERLAB_NO_CPP_KERNELS=1 runs on the plain PyTorch paths instead.
+KSTAMP="$VENV/.leverlab-kernels"
+kwant="$( (cat "$ROOT"/leverlab/kernels/csrc/* "$ROOT/leverlab/kernels/cpu_kernels.py"; echo "$want ${LEVERLAB_CACHE:-}") | sha256sum | cut -d' ' -f1)"
+if [ "${LEVERLAB_NO_CPP_KERNELS:-}" != "1" ] && { [ ! -f "$KSTAMP" ] || [ "$(cat "$KSTAMP")" != "$kwant" ]; }; then
+    echo "building the C++ kernels (once per source change; 1-3 minutes unless cached)..." >&2
+    if ! "$VENV/bin/python" -m leverlab.kernels.cpu_kernels >&2; then
+        echo "the C++ kernel build failed (above); fix the compiler, or set LEVERLAB_NO_CPP_KERNELS=1" >&2
+        return 1 2>/dev/null || exit 1
+    fi
+    echo "$kwant" > "$KSTAMP"
+fi

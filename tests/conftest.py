@@ -11,12 +11,12 @@ def pytest_sessionstart(session):
     """LEVERLAB_REQUIRE_CPP_KERNELS=1 (.ci/run sets it): the C++ kernels must build here. Without it a build that
     fails turns every kernel test into a skip and the engine onto its PyTorch paths, and the suite still passes."""
     if os.environ.get("LEVERLAB_REQUIRE_CPP_KERNELS") == "1":
-        from leverlab.layers import cpu_kernels
+        from leverlab.kernels import cpu_kernels
 
         if cpu_kernels.kernels() is None:
             raise pytest.UsageError(
                 "LEVERLAB_REQUIRE_CPP_KERNELS=1, but the C++ kernels did not build; the compiler's error: "
-                "python -c 'from leverlab.layers import cpu_kernels; cpu_kernels.kernels()'")
+                "python -m leverlab.kernels.cpu_kernels")
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from leverlab.custom_op import custom_op
 from leverlab.distributed.parallel_state import TPState
+from leverlab.kernels.custom_op import custom_op
 
 GROUPS: dict[int, object] = {}  # group id -> torch.distributed process group (the compute group)
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from leverlab.custom_op import custom_op
-from leverlab.layers import cpu_kernels
+from leverlab.kernels import cpu_kernels
+from leverlab.kernels.custom_op import custom_op
 from leverlab.quant import kv_cache as kv_quant
 
 # Steps whose sequences all have at most this many new tokens (decode: 1; verification: 1 + K) take the C++

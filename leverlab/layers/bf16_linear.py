@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from leverlab import env
-from leverlab.layers import cpu_kernels
+from leverlab.kernels import cpu_kernels
 
 _AVAILABLE: bool | None = None
 

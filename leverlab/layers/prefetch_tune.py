@@ -42,7 +42,8 @@ import time
 import torch
 
 from leverlab import env
-from leverlab.layers import bf16_linear, cpu_kernels
+from leverlab.kernels import cpu_kernels
+from leverlab.layers import bf16_linear
 from leverlab.layers.linear import Linear
 
 log = logging.getLogger("leverlab")

@@ -2,7 +2,7 @@
 
 A decode step of a small model is bound by dispatch, not by its weights: module by module from Python it
 pays about a hundred op calls and their Python frames, each a few microseconds, against about a millisecond of
-weight reads for the bundled 15M model. `FusedDecoder` (layers/csrc/fused_decoder.cpp) runs the same layers in
+weight reads for the bundled 15M model. `FusedDecoder` (kernels/csrc/fused_decoder.cpp) runs the same layers in
 one native loop, as llama.cpp does, over the model's own tensors (no copy of any weight).
 
 It serves steps whose sequences each have at most MAX_SPAN new tokens, on the CPU, at one tensor-parallel rank
@@ -23,7 +23,7 @@ import logging
 import torch
 
 from leverlab import env
-from leverlab.layers import cpu_kernels
+from leverlab.kernels import cpu_kernels
 from leverlab.layers.attention import KERNEL_MAX_SPAN, AttentionMetadata
 from leverlab.models.decoder import CausalLM
 from leverlab.quant import autotune, int8_gemm

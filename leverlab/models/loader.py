@@ -11,7 +11,8 @@ from safetensors import safe_open
 
 from leverlab.distributed.parallel_state import TPState, check_model, use_tp
 from leverlab.errors import UnsupportedLever
-from leverlab.layers import huge_pages, prefetch_tune
+from leverlab.kernels import huge_pages
+from leverlab.layers import prefetch_tune
 from leverlab.layers.linear import Linear
 from leverlab.layers.parallel import VocabParallelEmbedding
 from leverlab.models.config import ModelConfig

@@ -1,6 +1,6 @@
 """How many activation rows each quantized linear streams, measured at load.
 
-The streaming int8/int4 kernels (layers/csrc/quant_linear.cpp) read each weight once and win at one row; their
+The streaming int8/int4 kernels (kernels/csrc/quant_linear.cpp) read each weight once and win at one row; their
 cost grows with every row. fbgemm's int8 GEMM over the int8 copy (int8_gemm.py) costs ~0.2 ms per call before
 any work (per-row activation quantization, the quantized-tensor dispatch) and then grows slowly. Where the two
 cross depends on the matrix and the machine. Measured here (one thread, CPU time) at 16 rows: int8 640x384

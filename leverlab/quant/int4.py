@@ -6,7 +6,7 @@ Whatever the source, the loaded layer ends up in the same dense staging form - q
 s [out, in/g] float32, z [out, in/g] uint8 (integer zero points, as AWQ and GPTQ store them) -
 (held under the checkpoint's names qweight / scales / qzeros while loading), which
 process_weights_after_loading repacks for the kernel:
-  CPU:  our streaming kernel (layers/csrc/quant_linear.cpp, pack_int4_streaming: 4-bit q, fp16 s and z; with
+  CPU:  our streaming kernel (kernels/csrc/quant_linear.cpp, pack_int4_streaming: 4-bit q, fp16 s and z; with
         AVX-512 VNNI and out % 16 == 0 pack_int4_panels, the same bytes in panels of 16 rows) up to
         16 rows (integer dot products for bf16/fp16 activations); else aten._weight_int4pack_mm_for_cpu
         (eager), which Inductor lowers to its WoQ-int4 CPP GEMM template under max-autotune with frozen

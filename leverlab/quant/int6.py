@@ -5,7 +5,7 @@ bytes (a quarter of Qwen3-0.6B in bf16, over a third of its int4 step with an in
 most precision-sensitive output, so llama.cpp's Q4_0 files keep it in Q6_K (6.56 bits per weight). This is our
 6-bit step: 6 + 32/g bits per weight (6.5 at g = 64), quantized at load time by round-to-nearest.
 
-Kernels (layers/csrc/quant_linear.cpp, int6_linear): per 128 weights, 64 bytes of low nibbles in int4's layout
+Kernels (kernels/csrc/quant_linear.cpp, int6_linear): per 128 weights, 64 bytes of low nibbles in int4's layout
 (pack_int4_streaming) and 32 of high 2 bits, side by side, so that one decode pass reads each row front to back.
 bf16/fp16 activations (quantized per 64, as int4's with groups of 64) up to 16 rows take the int4 kernel's
 AVX-512 VNNI loops with a load and four ops more per 128 weights (has_fast_int6; rows in sixteens as panels,

@@ -4,7 +4,7 @@ W ~= q * s[:, None], q int8 in [-127, 127], s = max|W_row| / 127.
 
 Kernels, CPU:
   up to STREAMING_MAX_ROWS rows (decode, verification, batch-16 decode): our streaming kernel
-  (layers/csrc/quant_linear.cpp); the fused decode path calls it too. It keeps the plain [out, in] copy
+  (kernels/csrc/quant_linear.cpp); the fused decode path calls it too. It keeps the plain [out, in] copy
   (1 byte per weight) next to fbgemm's packed one. With bf16/fp16 activations `int8` quantizes them per
   32-element block and takes integer dot products (llama.cpp's q8_0 x q8_0 arithmetic: one rounding of each
   activation, at most half a step of its block's max|x| / 127); widening each weight to float instead left the
@@ -59,7 +59,7 @@ def streaming_kernels(device: torch.device):
     """The C++ kernels' module when the streaming int8/int4 kernels can run on `device`, else None."""
     if device.type != "cpu":
         return None
-    from leverlab.layers import cpu_kernels
+    from leverlab.kernels import cpu_kernels
 
     return cpu_kernels.kernels()
 

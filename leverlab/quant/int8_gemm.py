@@ -12,7 +12,7 @@ divided by its own max|x| first, so every row spans [-1, 1] and gets the same re
 neighbours (a loud prefill token cannot coarsen the others), and y = r * (x / r) W^T is scaled back.
 
 On CPUs with AMX int8 (Intel Sapphire Rapids and later) the same op runs our AMX tile GEMM instead
-(layers/csrc/amx_int8.cpp): per-row symmetric int8 activations (the same resolution as above), the weight kept as
+(kernels/csrc/amx_int8.cpp): per-row symmetric int8 activations (the same resolution as above), the weight kept as
 zero-padded int8 rows whose 16 x 64-byte blocks are the tiles. fbgemm's VNNI kernel ran the Qwen3-0.6B shape's
 prefill GEMMs at about a sixth of the tiles' rate there. LEVERLAB_NO_AMX=1 keeps fbgemm.
 """
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from leverlab import env
-from leverlab.custom_op import custom_op
+from leverlab.kernels.custom_op import custom_op
 
 FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
 
@@ -51,7 +51,7 @@ def amx_kernels():
     """Our CPU kernels where they run AMX int8 here (built for it, and the OS grants the tiles), else None."""
     if env.flag("LEVERLAB_NO_AMX"):
         return None
-    from leverlab.layers.cpu_kernels import kernels
+    from leverlab.kernels.cpu_kernels import kernels
 
     k = kernels()
     return k if k is not None and k.amx_int8_available() else None
@@ -119,7 +119,7 @@ def int8_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
     """x [M, K] (any float dtype) -> x W^T [M, N] in x's dtype, activations quantized per row."""
     w = _PACKED[key]
     if isinstance(w, AmxWeight):  # packed so only where the kernels run AMX
-        from leverlab.layers.cpu_kernels import kernels
+        from leverlab.kernels.cpu_kernels import kernels
 
         xs = x if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else x.float()  # the kernel's types
         return kernels().amx_int8_linear(xs, w.packed, w.scales).to(x.dtype)

@@ -84,7 +84,7 @@ def _fast_int6(device, hidden: int | None, dtype: str | None) -> bool:
         return False
     if dtype not in ("bfloat16", "float16"):
         return False
-    from leverlab.layers import cpu_kernels
+    from leverlab.kernels import cpu_kernels
 
     kern = cpu_kernels.kernels()
     return kern is not None and kern.has_int6_stream()

@@ -35,7 +35,7 @@ from leverlab.engine.model_runner import pick_device
 from leverlab.engine.sampler import probabilities
 from leverlab.engine.sequence import Sequence
 from leverlab.errors import UnsupportedLever
-from leverlab.layers import cpu_kernels
+from leverlab.kernels import cpu_kernels
 from leverlab.layers.attention import AttentionMetadata, forward_context
 from leverlab.layers.linear import Linear
 from leverlab.models.loader import DTYPES

@@ -1,4 +1,4 @@
-"""The EAGLE head's pass in one C++ call: FusedDecoder (layers/csrc/fused_decoder.cpp) in head mode.
+"""The EAGLE head's pass in one C++ call: FusedDecoder (kernels/csrc/fused_decoder.cpp) in head mode.
 
 Why: the head is one decoder layer, and run module by module from Python a pass paid ~40 op dispatches and
 their frames: on the bundled model (8 target layers, 384 wide) 0.61 ms a pass against ~0.2 ms of weight reads,
@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from leverlab.layers import cpu_kernels
+from leverlab.kernels import cpu_kernels
 from leverlab.models.fused import MAX_SPAN, _linear, _NotFused
 
 log = logging.getLogger("leverlab")

@@ -22,11 +22,11 @@ def _best_time(fn, reps: int) -> float:
 def measure_bandwidth(threads: int | None = None, gib: float = 1.0, reps: int = 5) -> float:
     """Read bandwidth in GB/s: the best of a few full passes summing a tensor far larger than the caches, in
     torch's own (4 KB-page) memory and in huge-page memory, where the engine keeps CPU weights
-    (layers/huge_pages.py). Read through 4 KB pages alone, a roofline sat below what the engine's kernels reach:
+    (kernels/huge_pages.py). Read through 4 KB pages alone, a roofline sat below what the engine's kernels reach:
     the bf16 0.6B shape decoded at 103% of it (session 12; huge pages read 3-7% faster here)."""
     import torch
 
-    from leverlab.layers.huge_pages import huge_page_buffer
+    from leverlab.kernels.huge_pages import huge_page_buffer
 
     if threads:
         torch.set_num_threads(threads)

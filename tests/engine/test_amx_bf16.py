@@ -1,11 +1,12 @@
-"""bf16 decode rows on AMX tiles (layers/csrc/amx_bf16.cpp) on CPUs with AMX: the product against float64 within
+"""bf16 decode rows on AMX tiles (kernels/csrc/amx_bf16.cpp) on CPUs with AMX: the product against float64 within
 one rounding, each row independent of the rest of the batch, the op's dispatch, and clear refusals."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from leverlab.layers import bf16_linear, cpu_kernels
+from leverlab.kernels import cpu_kernels
+from leverlab.layers import bf16_linear
 from leverlab.layers.linear import Linear
 
 kern = cpu_kernels.kernels()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from leverlab.layers import cpu_kernels
+from leverlab.kernels import cpu_kernels
 from leverlab.layers.attention import attention_impl
 from leverlab.quant import kv_cache as kvq
 from tests.engine.helpers import span_batch

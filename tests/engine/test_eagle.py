@@ -224,7 +224,7 @@ def _recording_drafts(llm) -> list:
 def test_fused_head_pass_drafts_as_the_module_path(target, trained_head, plain):
     """The head's pass in one C++ call (spec/eagle_fused.py) against EagleHead.forward module by module, in
     float32: the same drafts at every step (the catch-up over a whole prompt takes the module path in both)."""
-    from leverlab.layers import cpu_kernels
+    from leverlab.kernels import cpu_kernels
 
     if cpu_kernels.kernels() is None:
         pytest.skip("the C++ kernels are not built here")

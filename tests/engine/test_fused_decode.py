@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from leverlab import LLM, SamplingParams
-from leverlab.layers import cpu_kernels
+from leverlab.kernels import cpu_kernels
 from leverlab.layers.attention import AttentionMetadata, forward_context
 from leverlab.models import fused
 from leverlab.models.loader import load_model

@@ -1,11 +1,11 @@
-"""The loader moves a CPU model's weights into one huge-page arena (layers/huge_pages.py): every weight the kernels
+"""The loader moves a CPU model's weights into one huge-page arena (kernels/huge_pages.py): every weight the kernels
 read (parameters, buffers, the streaming layouts int4's `q4` and int8's `q8`) lands there, tied weights stay one
 tensor, the outputs do not change by a bit, and LEVERLAB_NO_HUGE_PAGES=1 leaves the weights where they are."""
 
 import pytest
 import torch
 
-from leverlab.layers import huge_pages
+from leverlab.kernels import huge_pages
 from leverlab.layers.attention import AttentionMetadata, forward_context
 from leverlab.models.loader import load_model
 

@@ -5,7 +5,7 @@ call to call; the row's value must not: the same bits on any number of threads, 
 import pytest
 import torch
 
-from leverlab.layers import cpu_kernels
+from leverlab.kernels import cpu_kernels
 
 kern = cpu_kernels.kernels()
 pytestmark = pytest.mark.skipif(kern is None, reason="no C++ kernels here")

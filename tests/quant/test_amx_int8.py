@@ -1,4 +1,4 @@
-"""The AMX int8 GEMM (layers/csrc/amx_int8.cpp) behind quant/int8_gemm.py on CPUs with AMX: its padded layout, and
+"""The AMX int8 GEMM (kernels/csrc/amx_int8.cpp) behind quant/int8_gemm.py on CPUs with AMX: its padded layout, and
 its product against the same integer arithmetic written in PyTorch, bit for bit."""
 
 import pytest

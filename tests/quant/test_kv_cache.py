@@ -89,7 +89,7 @@ def test_cpp_kernel_over_int8_cache_matches_the_gather_path(monkeypatch, d, dtyp
     """The C++ kernel quantizes the new K/V exactly as kv_cache.write does (same bytes, same scales) and its
     attention, dequantizing in registers, agrees with gathering and dequantizing; decode and verification
     spans mixed, GQA."""
-    from leverlab.layers import cpu_kernels
+    from leverlab.kernels import cpu_kernels
 
     if cpu_kernels.kernels() is None:
         pytest.skip("no C++ compiler here: the engine uses the PyTorch path")
@@ -120,7 +120,7 @@ def test_int16_attention_over_int8_cache_is_within_bfloat16_rounding_on_long_con
     item_q8_vnni where the CPU has AVX-512 VNNI). Over 2,500 positions of V near +1 with flat attention, 16-bit
     weights at full scale would overflow the int32 sums ~5x over; the weights' scale must bound them. Peaked
     attention (loud queries) checks the fine steps. Both within a bfloat16 output's rounding of float32 math."""
-    from leverlab.layers import cpu_kernels
+    from leverlab.kernels import cpu_kernels
 
     if cpu_kernels.kernels() is None:
         pytest.skip("no C++ compiler here: the engine uses the PyTorch path")

@@ -146,7 +146,7 @@ def test_int8_few_rows_take_the_streaming_kernel(name):
     """Up to 16 rows: our streaming kernel where the C++ kernels are built, with the activations quantized per
     32-block for integer dot products (int8) or left as they are (int8-woq, weight-only by request); without
     the kernels, aten's weight-only kernel (int8-woq)."""
-    from leverlab.layers import cpu_kernels
+    from leverlab.kernels import cpu_kernels
 
     layer, w, b = quantized_linear(name, torch.bfloat16)
     x = torch.randn(16, 256).to(torch.bfloat16)
@@ -226,7 +226,7 @@ def test_int4_streaming_kernel_paths_agree(k, g):
     an odd number of weight rows: each output row equals the single stream's for that row alone (the same quantized
     arithmetic, summed in another order: at most one bf16 step apart), and the single stream is the dequantized
     weight's product to within the activations' quantization."""
-    from leverlab.layers import cpu_kernels
+    from leverlab.kernels import cpu_kernels
     from leverlab.quant.int4 import dequantize_streaming, pack_int4_streaming, quantize_int4
 
     kern = cpu_kernels.kernels()
@@ -245,7 +245,7 @@ def test_int4_interleaved_rows_are_the_row_layout_in_another_order(k):
     kernel (AVX2 without AVX-512 VNNI) gives every row count 1..16 the row layout's results to one bf16 step;
     float32 activations and rows past the streaming kernel take the row layout's paths exactly
     (_interleaved_agree_with_rows). Malformed weights get a clear error."""
-    from leverlab.layers import cpu_kernels
+    from leverlab.kernels import cpu_kernels
     from leverlab.quant.int4 import (
         dequantize_streaming,
         interleaved_to_rows,
@@ -316,7 +316,7 @@ def test_int4_panels_are_the_row_layout_in_another_order(k, g):
     every row count 1..17 the row layout's results to one bf16 step, and each output row bit for bit what that
     row alone gives (integer sums per group, one float order whatever the batch); float32 activations and rows
     past the streaming kernel take the row layout's paths exactly."""
-    from leverlab.layers import cpu_kernels
+    from leverlab.kernels import cpu_kernels
     from leverlab.quant.int4 import (
         dequantize_streaming,
         pack_int4_panels,
@@ -348,7 +348,7 @@ def test_int6_panels_are_the_row_layout_in_another_order(k, g):
     the int6 rows: both unpack to the same q; bf16 rows 1..16 through its kernel (AVX-512 VNNI) give the rows'
     results to one bf16 step and each output row bit for bit what that row alone gives; float32 activations and
     17 rows take the rows' paths exactly."""
-    from leverlab.layers import cpu_kernels
+    from leverlab.kernels import cpu_kernels
     from leverlab.quant.int6 import (
         pack_int6_panels,
         pack_int6_streaming,
@@ -375,7 +375,7 @@ def test_int8_panels_are_the_row_layout_in_another_order():
     it unpacks to it exactly; with bf16/fp16 activations quantized (AVX-512 VNNI) every row count 1..16 gives
     the row layout's results to one output step, each output row bit for bit what that row alone gives; the
     other paths (weight-only, float32, more rows than stream) are the row layout's, exactly."""
-    from leverlab.layers import cpu_kernels
+    from leverlab.kernels import cpu_kernels
     from leverlab.quant.int8 import int8_panels_to_rows, pack_int8_panels
 
     kern = cpu_kernels.kernels()
@@ -408,7 +408,7 @@ def test_quantized_layers_stream_panels_with_avx512_vnni():
     weight as panels where the kernels stream them (AVX-512 VNNI, bf16/fp16 models), else as rows (int4 on AVX2,
     layers whole 256-channel steps wide: interleaved rows); weight-only int8 and float32 models keep rows. Their
     outputs are the dequantized weight's product either way."""
-    from leverlab.layers import cpu_kernels
+    from leverlab.kernels import cpu_kernels
     from leverlab.quant.int4 import is_interleaved
 
     kern = cpu_kernels.kernels()
@@ -440,7 +440,7 @@ def test_quantized_layers_stream_panels_with_avx512_vnni():
 def test_int6_streaming_kernel_paths_agree(k, g):
     """As the int4 test above, for int6 (quant/int6.py): with AVX-512 VNNI the single stream and the quad tiles
     (every row count from 2), elsewhere the plain float loop; float32 rows are the dequantized weight's product."""
-    from leverlab.layers import cpu_kernels
+    from leverlab.kernels import cpu_kernels
     from leverlab.quant.int6 import dequantize_int6_streaming, pack_int6_streaming, quantize_int6
 
     kern = cpu_kernels.kernels()
@@ -461,7 +461,7 @@ def test_int6_interleaved_rows_are_the_row_layout_in_another_order(k):
     weight as the row layout: the same q back in Python and, through its own conversion, the same results in C++
     for float32 activations and rows past the streaming kernel, exactly; with bf16 activations its AVX2 single
     stream gives the row layout's results to one bf16 step. Malformed weights get a clear error."""
-    from leverlab.layers import cpu_kernels
+    from leverlab.kernels import cpu_kernels
     from leverlab.quant.int6 import (
         dequantize_int6_streaming,
         int6_interleaved_to_q,
@@ -490,7 +490,7 @@ def test_int6_interleaved_rows_are_the_row_layout_in_another_order(k):
 def test_int4_models_head_is_int6_where_it_streams_fast(monkeypatch):
     """--lm-head-quantization auto: int6 for int4 in bf16/fp16 on a CPU whose int6 kernel streams (AVX-512 VNNI, AVX2)
     and a hidden size in whole 128-weight quads, else int8; int8 for int8; an explicit int6 whatever the method."""
-    from leverlab.layers import cpu_kernels
+    from leverlab.kernels import cpu_kernels
     from leverlab.quant.registry import head_quant_method
 
     kern = cpu_kernels.kernels()
@@ -512,7 +512,7 @@ def test_int8_streaming_kernel_paths_agree(k):
     """As the int4 test above, for int8 with quantized activations: the tiles (AVX2, or AVX-512 VNNI where the
     block count is even) agree row by row with the single stream, which is the dequantized weight's product to
     within the activations' quantization."""
-    from leverlab.layers import cpu_kernels
+    from leverlab.kernels import cpu_kernels
     from leverlab.quant.int8 import quantize_int8
 
     kern = cpu_kernels.kernels()

@@ -40,7 +40,7 @@ class LeverLabEngine(Engine):
         mid-build makes the next one start over."""
         import time
 
-        from leverlab.layers.cpu_kernels import kernels
+        from leverlab.kernels.cpu_kernels import kernels
 
         t0 = time.monotonic()
         say("LeverLab: loading the CPU kernels (built on first use: 1-3 minutes, once)")
