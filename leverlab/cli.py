@@ -13,7 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("leverlab.cmd_generate", "generate text from prompts on the command line"),
     "serve": ("leverlab.server.cli", "serve a model through the OpenAI-compatible HTTP API"),
     "bench": ("leverlab.bench.cli", "measure an OpenAI-compatible server (latency buckets, concurrency sweep)"),
-    "quantize": ("leverlab.quant.quantize_cli", "write a quantized checkpoint folder (int8, int4, awq)"),
+    "quantize": ("leverlab.models.quantize", "write a quantized checkpoint folder (int8, int4, awq)"),
     "train-default": ("leverlab.train.cli", "train the bundled default model family from the stdlib's source"),
     "train-eagle": ("leverlab.train.train_eagle", "train an EAGLE speculative head for a target model folder"),
     "study": ("leverlab.study.cli", "run the one-lever-at-a-time study"),

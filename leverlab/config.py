@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from leverlab import env
-from leverlab.quant.registry import check_kv_cache_dtype, check_lm_head_quantization, check_quantization
+from leverlab.quant_config import check_kv_cache_dtype, check_lm_head_quantization, check_quantization
+from leverlab.speculative_config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -73,8 +74,6 @@ class EngineConfig:
         # Whether the model's heads / vocabulary / MLP split over the ranks is checked when it loads
         # (distributed/parallel_state.py: check_model), with the numbers.
         if self.speculative_config:
-            from leverlab.spec.config import SpeculativeConfig
-
             SpeculativeConfig.from_dict(self.speculative_config)  # refuses what is not built, clearly
         # Registry lookups (light: no kernels imported); unknown names are refused with the valid ones listed.
         self.quantization = check_quantization(self.quantization)

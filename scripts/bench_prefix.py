@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 def main() -> int:
     from leverlab import LLM, SamplingParams
     from leverlab.config import default_model_path
-    from leverlab.engine.block_manager import PrefixStats
+    from leverlab.core.block_manager import PrefixStats
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(default_model_path()))

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from leverlab.layers.linear import Linear  # noqa: E402
-from leverlab.quant.base import attach_quant_method, finish_quantization  # noqa: E402
+from leverlab.models.loader import attach_quant_method, finish_quantization  # noqa: E402
 from leverlab.quant.registry import get_quant_method  # noqa: E402
 
 H, INTER = 1024, 3072

@@ -125,7 +125,7 @@ def make_eagle_head(target: str | Path, out: str | Path, seed: int = 1, std: flo
     """A randomly initialized EAGLE head for `target` (float32): drafts mostly rejected, which exercises
     verification and rollback; exactness never depends on the head."""
     from leverlab.models.config import ModelConfig
-    from leverlab.spec.eagle_head import EagleConfig, EagleHead, init_head, save_head
+    from leverlab.speculative.eagle_head import EagleConfig, EagleHead, init_head, save_head
 
     head = init_head(EagleHead(EagleConfig.for_target(ModelConfig.from_folder(target))), seed=seed, std=std)
     save_head(head, out, dtype="float32")

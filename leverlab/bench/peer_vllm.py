@@ -103,7 +103,7 @@ def quantized_folder(model: Path, precision: str) -> Path:
     if precision not in EXPORTS:
         return model
     from leverlab.bench.peer_llamacpp import model_key
-    from leverlab.quant.quantize_cli import quantize_folder  # torch: only when a folder is written
+    from leverlab.models.quantize import quantize_folder  # torch: only when a folder is written
 
     dst = env.cache_dir() / "vllm" / "checkpoints" / model_key(model) / EXPORTS[precision]
     if not (dst / "config.json").is_file():  # config.json is written last: its presence means complete

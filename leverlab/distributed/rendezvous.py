@@ -6,7 +6,7 @@ come from the flags `--nnodes --node-rank --master-addr --master-port` (torchrun
 unset, from the environment torchrun exports (WORLD_SIZE = hosts, RANK = this host, MASTER_ADDR,
 MASTER_PORT; under torchrun rank 0 joins the store torchrun's agent hosts): one launch per host, each
 holding tp / nnodes consecutive ranks. Node 0 holds rank 0, the
-engine, and serves the API; the other nodes only compute (distributed/node.py).
+engine, and serves the API; the other nodes only compute (worker/node.py).
 
 On one host (nnodes 1) the store listens on a free loopback port picked at start, whatever the environment
 says: several engines on one host (data-parallel replicas with TP) must not share a port.

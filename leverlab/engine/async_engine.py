@@ -226,7 +226,7 @@ class AsyncLLM:
                     except queue.Empty:
                         cmd = None
                 if not eng.healthy:  # a tensor-parallel rank died while idle: nothing can run any more
-                    raise (eng.tp.error if eng.tp is not None and eng.tp.error else EngineDeadError("engine unhealthy"))
+                    raise eng.executor.error or EngineDeadError("engine unhealthy")
                 if eng.has_unfinished():
                     if self._fail_at_step is not None and eng.counters["steps"] >= self._fail_at_step:
                         raise RuntimeError(f"injected engine failure at step {self._fail_at_step} "

@@ -10,32 +10,32 @@ import time
 import torch
 from transformers import AutoTokenizer
 
+from leverlab import env
 from leverlab.config import EngineConfig, default_model_path
-from leverlab.engine.block_manager import BlockManager
+from leverlab.core.block_manager import BlockManager
+from leverlab.core.scheduler import Scheduler
+from leverlab.core.sequence import Sequence
 from leverlab.engine.client import EnginePrompt, to_engine_prompt
 from leverlab.engine.detokenizer import Detokenizer, find_stop
-from leverlab.engine.model_runner import ModelRunner
 from leverlab.engine.request import Request
-from leverlab.engine.sampler import token_ranks, top_logprobs
-from leverlab.engine.scheduler import Scheduler
-from leverlab.engine.sequence import Sequence
 from leverlab.errors import RequestError
 from leverlab.models.config import ModelConfig
 from leverlab.outputs import RequestMetrics, RequestOutput
 from leverlab.sampling_params import SamplingParams
-from leverlab.spec.config import SpeculativeConfig
-from leverlab.spec.decoder import SpecDecoder
+from leverlab.speculative.decoder import SpecDecoder
+from leverlab.speculative.eagle_head import aux_layers_for
+from leverlab.speculative_config import SpeculativeConfig
+from leverlab.worker.executor import make_executor
+from leverlab.worker.node import run_node
+from leverlab.worker.sampler import token_ranks, top_logprobs
 
 log = logging.getLogger("leverlab")
 
 
-def _default_threads(cfg: ModelConfig, dtype: str) -> int:
-    """All cores, except for small models: their matmuls are too short to repay a fork/join per op, and
-    on a shared machine every op of a multi-threaded step waits for the slowest (possibly descheduled)
-    thread: measured here, a 15M model decoded at 63 tok/s on one thread and 1.6 tok/s on two while
-    another process kept a core busy."""
-    weight_bytes = cfg.weight_bytes(2 if dtype in ("bfloat16", "float16") else 4)
-    return 1 if weight_bytes < 256 * 2**20 else max(1, torch.get_num_threads())
+def serve_node(config: EngineConfig, rdv) -> int:
+    """A host other than node 0 of a multi-host tensor-parallel job: its share of the ranks, no engine
+    (worker/node.py), with the runner settings rank 0's engine gives its own (EAGLE's aux layers)."""
+    return run_node(config, rdv, aux_layers_for(config))
 
 
 class LLMEngine:
@@ -55,24 +55,19 @@ class LLMEngine:
             rdv = resolve(config)
             if rdv.node_rank != 0:
                 raise ValueError(f"node rank {rdv.node_rank} holds tensor-parallel workers only, no engine: start "
-                                 "it with `leverlab serve ... --node-rank N` (distributed/node.py)")
+                                 "it with `leverlab serve ... --node-rank N` (worker/node.py)")
         # Per rank: the ranks on this host share its cores (cores // ranks each) instead of oversubscribing them.
         local_ranks = rdv.per_node if rdv is not None else 1
-        threads = config.num_threads or max(1, _default_threads(self.model_config, config.dtype) // local_ranks)
+        threads = config.num_threads or max(1, env.default_threads(self.model_config, config.dtype) // local_ranks)
         torch.set_num_threads(threads)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         max_len = config.max_model_len or self.model_config.max_position_embeddings
         if max_len > self.model_config.max_position_embeddings:
             raise ValueError(f"--max-model-len {max_len} exceeds the model's "
                              f"max_position_embeddings ({self.model_config.max_position_embeddings})")
-        self.tp = None  # tensor parallel (distributed/executor.py): the workers, watched from here
-        if tp_size > 1:
-            from leverlab.distributed.executor import TPExecutor
-
-            self.tp = TPExecutor(config, path, max_len, threads, rdv)
-            self.runner = self.tp.runner
-        else:
-            self.runner = ModelRunner(config, path, max_len)
+        # One process, or tensor parallel (worker/executor.py: the workers, watched from here).
+        self.executor = make_executor(config, path, max_len, threads, rdv, aux_layers_for(config))
+        self.runner = self.executor.runner
         capacity = self.runner.num_blocks * config.block_size
         windows = self.model_config.layer_windows
         # When every layer slides, a sequence only ever holds about a window of KV, whatever its length.
@@ -98,7 +93,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._rng = torch.Generator().manual_seed(config.seed)
         self.spec_config = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config else None
-        # Proposing, verification, the gate and speculation's counters (spec/decoder.py); samples plain steps too.
+        # Proposing, verification, the gate and speculation's counters (speculative/decoder.py); samples plain steps too.
         self.spec = SpecDecoder(self.spec_config, config, self.runner, self.model_config.vocab_size,
                                 self.eos_token_ids, self.max_model_len)
         log.info(
@@ -279,8 +274,8 @@ class LLMEngine:
     # ---- introspection -----------------------------------------------------------------------------
     def counter_snapshot(self) -> dict[str, float]:
         """Monotonic totals for /metrics and bench results: the engine's and each lever's."""
-        tp = self.tp.counters() if self.tp is not None else {}
-        return {**self.counters, **self.blocks.stats.as_counters(), **self.spec.counter_snapshot(), **tp}
+        return {**self.counters, **self.blocks.stats.as_counters(), **self.spec.counter_snapshot(),
+                **self.executor.counters()}
 
     @property
     def proposer(self):
@@ -290,12 +285,11 @@ class LLMEngine:
     @property
     def healthy(self) -> bool:
         """False once a tensor-parallel rank died or hung (the engine cannot step any more)."""
-        return self.tp is None or self.tp.healthy
+        return self.executor.healthy
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (also done at exit); a one-rank engine has nothing to stop."""
-        if self.tp is not None:
-            self.tp.close()
+        self.executor.close()
 
     def reset_prefix_cache(self) -> int:
         return self.blocks.reset_prefix_cache()

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from leverlab.config import EngineConfig
-from leverlab.engine.parent_watch import exit_with_parent
 from leverlab.errors import EngineDeadError, RequestError, UnsupportedLever
+from leverlab.worker.parent_watch import exit_with_parent
 
 log = logging.getLogger("leverlab")
 
@@ -93,7 +93,7 @@ class Loop:
             if self.stopped:
                 return
             if not eng.healthy:  # a tensor-parallel rank of this replica died
-                raise (eng.tp.error if eng.tp is not None and eng.tp.error else EngineDeadError("engine unhealthy"))
+                raise eng.executor.error or EngineDeadError("engine unhealthy")
             if eng.has_unfinished():
                 outs = eng.step()
                 if outs:

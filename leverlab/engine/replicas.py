@@ -31,6 +31,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from leverlab import env
 from leverlab.config import EngineConfig, default_model_path
 from leverlab.engine.async_engine import EngineStats, _Mailbox
 from leverlab.engine.client import EnginePrompt, to_engine_prompt
@@ -50,10 +51,8 @@ Sink = Callable[[RequestOutput | BaseException], None]
 
 def replica_config(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
     """One replica's config: its share of the threads and of the KV-cache budget."""
-    from leverlab.engine.llm_engine import _default_threads
-
     n, tp = config.data_parallel_size, config.tensor_parallel_size
-    threads = config.num_threads or max(1, _default_threads(model_config, config.dtype) // (n * tp))
+    threads = config.num_threads or max(1, env.default_threads(model_config, config.dtype) // (n * tp))
     kv_memory = (config.kv_cache_memory or 2 << 30) // n if config.num_kv_blocks is None else None
     fraction = config.kv_cache_memory_fraction / n if config.kv_cache_memory_fraction is not None else None
     return dataclasses.replace(config, data_parallel_size=1, num_threads=threads, kv_cache_memory=kv_memory,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from leverlab.core.sequence import Sequence
 from leverlab.engine.detokenizer import DetokState
-from leverlab.engine.sequence import Sequence
 from leverlab.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from leverlab.sampling_params import SamplingParams
 

@@ -22,7 +22,7 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from leverlab.engine.block_manager import prefix_block_hashes
+from leverlab.core.block_manager import prefix_block_hashes
 
 
 @dataclass

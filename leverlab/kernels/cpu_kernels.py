@@ -102,10 +102,9 @@ def _compile(build: Path):
     return module
 
 
-def _load():
-    """The compiled module: imported from the cache when this content was built before, else built now.
+def _load(build: Path):
+    """The compiled module: imported from `build` when this content was built there before, else built now.
     Raises whatever the build raised."""
-    build = build_dir()
     library = build / f"{NAME}.so"  # the name torch's load() gives it
     if (build / DONE).exists() and library.exists():
         return _import(library)
@@ -134,8 +133,9 @@ def _configure(module):
 def build() -> Path:
     """Build the kernels for this machine now (setup: scripts/venv.sh) and return the folder; raises if the
     build fails, with the compiler's error, instead of leaving the engine on its slow paths."""
-    _load()
-    return build_dir()
+    build = build_dir()
+    _load(build)
+    return build
 
 
 @cache
@@ -144,7 +144,7 @@ def kernels():
     if env.flag("LEVERLAB_NO_CPP_KERNELS"):
         return None
     try:
-        module = _load()
+        module = _load(build_dir())
     except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path
         log.warning("CPU kernels unavailable (%s); using the PyTorch path", e)
         return None

@@ -103,7 +103,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    # EAGLE speculation (spec/eagle_head.py): layers whose outputs forward() also returns. Set before the
+    # EAGLE speculation (speculative/eagle_head.py): layers whose outputs forward() also returns. Set before the
     # forward is compiled; empty (the default) keeps the plain signature.
     aux_layers: tuple[int, ...] = ()
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from leverlab.distributed.parallel_state import TPState, check_model, use_tp
 from leverlab.errors import UnsupportedLever
@@ -18,7 +19,7 @@ from leverlab.layers.parallel import VocabParallelEmbedding
 from leverlab.models.config import ModelConfig
 from leverlab.models.decoder import CausalLM
 from leverlab.quant import autotune
-from leverlab.quant.base import attach_quant_method, finish_quantization
+from leverlab.quant.base import QuantMethod
 from leverlab.quant.registry import get_quant_method, head_quant_method, quant_method_for_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -121,3 +122,23 @@ def _load_one(model, modules, params, name: str, tensor: torch.Tensor, loaded: s
     else:
         raise ValueError(f"checkpoint weight {name} has no place in {model.config.architecture}")
     loaded.add(f"{module_name}.{kind}")
+
+
+def attach_quant_method(model: nn.Module, method: QuantMethod | None, head: QuantMethod | None = None) -> list[nn.Module]:
+    """Give `method` to every decoder Linear and `head` to the output head (None: left in the model dtype),
+    creating their weights; returns the layers that got one."""
+    layers = []
+    for name, module in model.named_modules():
+        m = head if name == "lm_head" else method
+        if isinstance(module, Linear) and m is not None:
+            module.is_lm_head = name == "lm_head"
+            module.quant_method = m
+            m.create_weights(module)
+            layers.append(module)
+    return layers
+
+
+def finish_quantization(layers: list[nn.Module]) -> None:
+    """After every checkpoint tensor is in: convert each quantized layer to its kernel layout."""
+    for layer in layers:
+        layer.quant_method.process_weights_after_loading(layer)

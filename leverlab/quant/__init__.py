@@ -7,11 +7,7 @@ runner / attention op (the KV-cache dtype hook).
 """
 
 from leverlab.quant.base import QuantMethod
-from leverlab.quant.registry import (
-    KV_CACHE_DTYPES,
-    QUANT_METHODS,
-    get_quant_method,
-    quant_method_for_checkpoint,
-)
+from leverlab.quant.registry import get_quant_method, quant_method_for_checkpoint
+from leverlab.quant_config import KV_CACHE_DTYPES, QUANT_METHODS
 
 __all__ = ["KV_CACHE_DTYPES", "QUANT_METHODS", "QuantMethod", "get_quant_method", "quant_method_for_checkpoint"]

@@ -130,25 +130,3 @@ def copy_checked(target: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
 
 def flatten(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
-
-
-def attach_quant_method(model: nn.Module, method: QuantMethod | None, head: QuantMethod | None = None) -> list[nn.Module]:
-    """Give `method` to every decoder Linear and `head` to the output head (None: left in the model dtype),
-    creating their weights; returns the layers that got one."""
-    from leverlab.layers.linear import Linear
-
-    layers = []
-    for name, module in model.named_modules():
-        m = head if name == "lm_head" else method
-        if isinstance(module, Linear) and m is not None:
-            module.is_lm_head = name == "lm_head"
-            module.quant_method = m
-            m.create_weights(module)
-            layers.append(module)
-    return layers
-
-
-def finish_quantization(layers: list[nn.Module]) -> None:
-    """After every checkpoint tensor is in: convert each quantized layer to its kernel layout."""
-    for layer in layers:
-        layer.quant_method.process_weights_after_loading(layer)

@@ -124,9 +124,9 @@ def run(args: argparse.Namespace) -> int:
 
             rdv = resolve(cfg)
             if rdv.node_rank != 0:  # another host of a multi-host job: its ranks only, no API
-                from leverlab.distributed.node import run_node
+                from leverlab.engine.llm_engine import serve_node
 
-                return run_node(cfg, rdv)
+                return serve_node(cfg, rdv)
         return asyncio.run(_main(args, cfg))
     except (UnsupportedLever, ValueError) as e:  # a setting the engine refuses once it sees the model
         print(f"leverlab serve: {e}", file=sys.stderr)

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from leverlab.config import default_model_path
     from leverlab.models.config import ModelConfig
     from leverlab.models.loader import load_model
-    from leverlab.spec.eagle_head import EagleConfig, EagleHead, init_head, save_head
+    from leverlab.speculative.eagle_head import EagleConfig, EagleHead, init_head, save_head
     from leverlab.train.eagle_card import measure, write_card
     from leverlab.train.eagle_data import TargetFeatures, corpus_prompts, file_prompts, generate_stream
     from leverlab.train.eagle_ttt import expected_accepted, ttt_forward
@@ -202,8 +202,8 @@ def _export(out: Path, target: str, args: argparse.Namespace) -> int:
     import torch
 
     from leverlab.models.config import ModelConfig
-    from leverlab.spec.eagle3_format import export_speculators, vllm_problems
-    from leverlab.spec.eagle_head import load_head
+    from leverlab.speculative.eagle3_format import export_speculators, vllm_problems
+    from leverlab.speculative.eagle_head import load_head
 
     if not (out / "config.json").is_file():
         print(f"train-eagle: no head in {out} to export", file=sys.stderr)

@@ -42,7 +42,7 @@ def test_vllm_prompt_forms_give_the_same_tokens(path):
 
 
 def _workers(llm: LLM) -> list[int]:
-    return [p.pid for p in llm.engine.tp.procs]
+    return [p.pid for p in llm.engine.executor.procs]
 
 
 def _alive(pid: int) -> bool:

@@ -6,8 +6,8 @@ import time
 import pytest
 
 from leverlab import LLM, SamplingParams
-from leverlab.engine.block_manager import BlockManager
-from leverlab.engine.sequence import Sequence
+from leverlab.core.block_manager import BlockManager
+from leverlab.core.sequence import Sequence
 
 BS = 4
 

@@ -3,9 +3,9 @@ the balance slack, least loaded with turns, and forgetting a replica that left."
 
 from __future__ import annotations
 
-from leverlab.engine.block_manager import BlockManager, prefix_block_hashes
+from leverlab.core.block_manager import BlockManager, prefix_block_hashes
+from leverlab.core.sequence import Sequence
 from leverlab.engine.router import Router, RouterConfig
-from leverlab.engine.sequence import Sequence
 from leverlab.sampling_params import SamplingParams
 
 BS = 4

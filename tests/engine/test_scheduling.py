@@ -58,7 +58,7 @@ def test_every_request_accounted_for(path):
 
 
 def test_kv_cache_sizing_by_bytes_and_fraction(path):
-    from leverlab.engine.model_runner import free_memory
+    from leverlab.worker.model_runner import free_memory
 
     by_bytes = LLM(path, dtype="float32", kv_cache_memory=1 << 20, block_size=16, max_num_seqs=512).engine
     per_block = by_bytes.runner.kv_bytes_per_token() * 16

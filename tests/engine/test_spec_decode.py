@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from leverlab import LLM, SamplingParams
-from leverlab.engine.sequence import Sequence
+from leverlab.core.sequence import Sequence
 from leverlab.errors import UnsupportedLever
-from leverlab.spec.ngram import NgramProposer
-from leverlab.spec.verify import verify
+from leverlab.speculative.ngram import NgramProposer
+from leverlab.speculative.verify import verify
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # Repetitive prompts give the n-gram proposer something to find; varied lengths mix prefill and decode.
@@ -123,7 +123,7 @@ def test_adaptive_is_lossless_too(path):
 
 
 def test_gate_runs_the_faster_arm_per_batch_size_and_keeps_probing():
-    from leverlab.spec.gate import ThroughputGate
+    from leverlab.speculative.gate import ThroughputGate
 
     g = ThroughputGate(needs_capture=True)
     # Alone, speculating emits 2.5 tokens per 1.2 plain-step times; at 16 sequences it emits 20 per 1.6.
@@ -169,7 +169,7 @@ def test_gate_measures_a_skewed_yield_by_its_total():
     """An n-gram arm's yield per step is skewed: most steps accept nothing, a few accept K. Speculating here emits
     1 token on 60% of its steps and 6 on the rest (3 a step on average) against plain decoding's 2, at the same
     step time: it wins, though its median step emits less than a plain one. The gate must see it win."""
-    from leverlab.spec.gate import ThroughputGate
+    from leverlab.speculative.gate import ThroughputGate
 
     shares = []
     for seed in range(6):
@@ -195,7 +195,7 @@ def test_gate_takes_a_second_look_after_an_unrepresentative_start():
     are all rejected), 3 afterwards, at 1.5 plain steps' time (2x plain decoding). The gate must look again soon,
     with that arm measured afresh, and speculate from then on; it had followed plain decoding until its first
     probe at decision 78, and then kept the first tries in the arm's window."""
-    from leverlab.spec.gate import ThroughputGate
+    from leverlab.speculative.gate import ThroughputGate
 
     g = ThroughputGate(needs_capture=False)
     picks, spec_steps = [], 0
@@ -214,7 +214,7 @@ def test_a_new_batch_size_starts_from_its_neighbours_better_arm_where_that_carri
     after a wait set by the neighbour's margin, so a short burst is not split between the arms; where the prior
     is wrong for the new size, the measurements still win. Speculating that won at 1 sequence says less about
     16: that burst starts speculating too but tries plain decoding after the shortest wait."""
-    from leverlab.spec.gate import ThroughputGate
+    from leverlab.speculative.gate import ThroughputGate
 
     def burst(g, n, spec_speed, steps):
         picks = []
@@ -244,7 +244,7 @@ def test_each_batch_size_up_to_16_is_measured_apart():
     """A c=8 wave that speculates now and then goes ragged: some steps run 7 sequences. Here plain decoding wins
     at 8 (8 tokens a step against 9 in 1.2x the time) and speculating at 7 (10 against 7): the gate must find
     both, which a bucket pooling 6-11 sequences could not (one decision for both sizes)."""
-    from leverlab.spec.gate import ThroughputGate
+    from leverlab.speculative.gate import ThroughputGate
 
     g = ThroughputGate(needs_capture=False)
     assert [g.bucket_of(n) for n in (0, 1, 2, 7, 8, 16)] == [1, 1, 2, 7, 8, 16]
@@ -265,7 +265,7 @@ def test_gate_probes_a_far_losing_arm_seldom():
     """Probing costs about BUDGET of the time, as measured: a speculating arm at half the plain rate (and the
     plain steps that capture features for it, 1.3x a plain step) is probed far less often than one close
     behind, but still probed."""
-    from leverlab.spec.gate import BUDGET, ThroughputGate
+    from leverlab.speculative.gate import BUDGET, ThroughputGate
 
     def run(spec_rate: float, steps: int = 3000) -> tuple[float, list[bool]]:
         g = ThroughputGate(needs_capture=True)

@@ -122,7 +122,7 @@ def test_refuses_what_does_not_split(checkpoint_factory):
 
 
 def _worker_pid(llm: LLM) -> int:
-    return llm.engine.tp.procs[0].pid
+    return llm.engine.executor.procs[0].pid
 
 
 def test_killed_worker_fails_the_step_within_seconds(checkpoint_factory, closing):

@@ -42,7 +42,7 @@ def test_quantized_engine_generates_like_its_dequantized_model(checkpoint_factor
 
 
 def test_quantized_checkpoint_served_over_http(checkpoint_factory, tmp_path):
-    from leverlab.quant.quantize_cli import quantize_folder
+    from leverlab.models.quantize import quantize_folder
     from tests.server.conftest import ServerProcess
 
     dst = quantize_folder(checkpoint_factory("qwen3"), tmp_path / "q4", "int4")

@@ -5,8 +5,9 @@ import torch
 
 from leverlab.errors import UnsupportedLever
 from leverlab.layers.linear import Linear, packed
-from leverlab.quant.base import attach_quant_method, finish_quantization
-from leverlab.quant.registry import QUANT_METHODS, get_quant_method
+from leverlab.models.loader import attach_quant_method, finish_quantization
+from leverlab.quant.registry import get_quant_method
+from leverlab.quant_config import QUANT_METHODS
 
 LOAD_TIME = ("int8", "int8-woq", "int4", "int4-g32", "int4-g64", "int4-g128", "int6", "fp8")
 

@@ -128,7 +128,7 @@ def test_chat_prompt_logprobs(client):
 
 def test_prompt_token_rank_is_its_rank_in_the_vocabulary(client):
     """vLLM gives the prompt's own token its rank among all tokens; ours was null outside the top k."""
-    from leverlab.engine.sampler import token_ranks
+    from leverlab.worker.sampler import token_ranks
 
     logits = torch.tensor([[0.1, 3.0, 2.0, 2.0, -1.0], [5.0, 1.0, 1.0, 1.0, 1.0]])
     assert token_ranks(logits, torch.tensor([2, 0])) == [3, 1]  # ties count as at least as likely (vLLM's)

@@ -230,7 +230,7 @@ def test_llamacpp_a_file_that_could_not_be_made_fails_the_configuration(tmp_path
 
 def test_vllm_gets_our_eagle_head_as_its_speculators_export(checkpoint_factory, tmp_path):
     from leverlab.models.config import ModelConfig
-    from leverlab.spec.eagle_head import EagleConfig, EagleHead, init_head, save_head
+    from leverlab.speculative.eagle_head import EagleConfig, EagleHead, init_head, save_head
 
     target = checkpoint_factory("qwen3", num_hidden_layers=4)
     tcfg = ModelConfig.from_folder(target)

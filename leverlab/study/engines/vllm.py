@@ -54,8 +54,8 @@ _WRAPPERS = ("Engine core initialization failed", "See root cause above")
 def _eagle_problem(head: str) -> str | None:
     """Why vLLM could not run this EAGLE head (None: it can, or the folder is not here to judge)."""
     from leverlab.errors import UnsupportedLever
-    from leverlab.spec.eagle3_format import detect_format, vllm_problems
-    from leverlab.spec.eagle_head import EagleConfig
+    from leverlab.speculative.eagle3_format import detect_format, vllm_problems
+    from leverlab.speculative.eagle_head import EagleConfig
 
     path = resolve(head)
     if path is None:
@@ -214,14 +214,14 @@ class VLLMEngine(Engine):
     def _spec(spec: dict, model: str) -> dict:
         """vLLM's keys only; ngram with its lookup window spelled out; our EAGLE head folders become their
         speculators export, which vLLM loads as method eagle3."""
-        from leverlab.spec.config import SpeculativeConfig
+        from leverlab.speculative_config import SpeculativeConfig
 
         spec = {k: v for k, v in spec.items() if k in VLLM_SPEC_KEYS}
         if spec.get("method") == "ngram":
             spec.setdefault("prompt_lookup_min", SpeculativeConfig.prompt_lookup_min)
             spec.setdefault("prompt_lookup_max", SpeculativeConfig.prompt_lookup_max)
         if spec.get("method") in ("eagle", "eagle3") and spec.get("model"):
-            from leverlab.spec.eagle3_format import speculators_export_of
+            from leverlab.speculative.eagle3_format import speculators_export_of
 
             head, target = resolve(spec["model"]), resolve(model)
             if head is not None and target is not None:

@@ -7,24 +7,18 @@ from dataclasses import dataclass
 
 import torch
 
+from leverlab import env
 from leverlab.config import EngineConfig
+from leverlab.core.scheduler import ScheduledBatch
+from leverlab.core.sequence import Sequence
 from leverlab.distributed.parallel_state import TPState, local_kv_heads
-from leverlab.engine.scheduler import ScheduledBatch
-from leverlab.engine.sequence import Sequence
 from leverlab.layers import prefetch_tune
 from leverlab.layers.attention import AttentionMetadata, forward_context
 from leverlab.models import fused
 from leverlab.models.loader import DTYPES, load_model
 from leverlab.quant import kv_cache as kv_quant
-from leverlab.spec.eagle_head import aux_layers_for
 
 log = logging.getLogger("leverlab")
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def free_memory(device: torch.device) -> int:
@@ -55,16 +49,18 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, max_model_len: int, tp: TPState | None = None,
-                 device: torch.device | None = None):
-        """tp: this rank's tensor-parallel state (None: one rank); the model and KV cache hold its share."""
+                 device: torch.device | None = None, aux_layers: tuple[int, ...] = ()):
+        """tp: this rank's tensor-parallel state (None: one rank); the model and KV cache hold its share.
+        aux_layers: the layers whose outputs the forward also returns (EAGLE's features: the engine asks the
+        speculative package, speculative/eagle_head.py: aux_layers_for); () for none."""
         self.config = config
-        self.device = device or pick_device(config.device)
+        self.device = device or env.pick_device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.tp = tp or TPState()
         self.model = load_model(model_path, config.dtype, self.device, config.quantization, tp,
                                 config.lm_head_quantization)
         self.model_config = self.model.config
-        self.aux_layers = aux_layers_for(config)  # EAGLE's feature layers; () without it
+        self.aux_layers = tuple(aux_layers)  # EAGLE's feature layers; () without it
         self.model.aux_layers = self.aux_layers
         self.block_size = config.block_size
         # KV heads this rank holds: all of them, or its share under tensor parallelism (parallel_state.py)
@@ -85,7 +81,7 @@ class ModelRunner:
                                          self.kv_scales)
         self.fused_steps = 0  # steps that took it
         if config.execution_mode == "compiled":
-            from leverlab.engine.compiled import compile_forward
+            from leverlab.worker.compiled import compile_forward
 
             self.forward = compile_forward(self.model, config)
 

@@ -1,4 +1,4 @@
-"""EAGLE proposer: a one-layer head drafts from the target's own hidden states (spec/eagle_head.py).
+"""EAGLE proposer: a one-layer head drafts from the target's own hidden states (speculative/eagle_head.py).
 
 Per target sequence the head keeps a shadow (its own paged KV in its own block pool, parallel degree 1) and
 the fused features of target positions it has not consumed yet. Head rows hold the positions whose features
@@ -14,7 +14,7 @@ Flow each step:
                    with the first draft), then one pass per further draft, feeding the head's own output
                    hidden state as the feature; draft rows are never counted as computed, so the next
                    catch-up overwrites them with rows built from the target's real features.
-A pass (`_run`) is one C++ call where it can be (spec/eagle_fused.py: the CPU, at most 16 rows per sequence)
+A pass (`_run`) is one C++ call where it can be (speculative/eagle_fused.py: the CPU, at most 16 rows per sequence)
 and the head's modules otherwise; both return the hidden states and the drafting logits of the rows that draft.
 What drafting reads may be int8 (`quantization` in the speculative config; `_drafting_weights`).
 Invariant: next_position is the target position after the last feature received (pending or in the KV);
@@ -29,22 +29,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from leverlab import env
 from leverlab.config import default_model_path
-from leverlab.engine.block_manager import BlockManager
-from leverlab.engine.model_runner import pick_device
-from leverlab.engine.sampler import probabilities
-from leverlab.engine.sequence import Sequence
+from leverlab.core.block_manager import BlockManager
+from leverlab.core.sequence import Sequence
 from leverlab.errors import UnsupportedLever
 from leverlab.kernels import cpu_kernels
 from leverlab.layers.attention import AttentionMetadata, forward_context
 from leverlab.layers.linear import Linear
-from leverlab.models.loader import DTYPES
+from leverlab.models.loader import DTYPES, attach_quant_method, finish_quantization
 from leverlab.quant import kv_cache as kv_quant
-from leverlab.quant.base import attach_quant_method, finish_quantization
 from leverlab.quant.registry import get_quant_method
-from leverlab.spec.base import Draft
-from leverlab.spec.eagle_fused import FusedHead, fused_head
-from leverlab.spec.eagle_head import load_head
+from leverlab.speculative.base import Draft
+from leverlab.speculative.eagle_fused import FusedHead, fused_head
+from leverlab.speculative.eagle_head import load_head
+from leverlab.worker.sampler import probabilities
 
 
 @dataclass(eq=False)
@@ -77,7 +76,7 @@ class EagleProposer:
         from leverlab.models.config import ModelConfig
 
         layers = ModelConfig.from_folder(engine_config.model or default_model_path()).num_layers
-        head = load_head(spec.model, DTYPES[engine_config.dtype], pick_device(engine_config.device), layers)
+        head = load_head(spec.model, DTYPES[engine_config.dtype], env.pick_device(engine_config.device), layers)
         return cls(head, spec.model, engine_config, spec.quantization)
 
     def check_vocab(self, target_vocab: int) -> None:

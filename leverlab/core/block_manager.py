@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from leverlab.engine.sequence import Sequence
+from leverlab.core.sequence import Sequence
 
 
 @dataclass

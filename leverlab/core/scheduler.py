@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from leverlab.engine.block_manager import BlockManager
-from leverlab.engine.sequence import Sequence, Status
+from leverlab.core.block_manager import BlockManager
+from leverlab.core.sequence import Sequence, Status
 
 
 @dataclass

@@ -1,12 +1,12 @@
-"""SpecDecoder: everything speculation adds to an engine step, behind four calls.
+"""SpecDecoder: everything speculation adds to an engine step, behind five calls.
 
   propose(running)          before scheduling: the gate decides (adaptive), the proposer drafts, drafts go
                             into seq.spec_token_ids; the runner is told whether to capture features
   choose_tokens(result)     after the forward: sample plain sequences, verify drafted ones; returns the
                             emitted tokens and, per sequence, how many drafted positions were rejected (the
                             scheduler rolls num_computed_tokens back by that, it alone writes the counter)
-  finish_step(result, ...)  after the scheduler's update: hand kept features to the proposer, time the step
-                            for the gate
+  observe(result)           after the scheduler's update: hand the kept positions' features to the proposer
+  end_step(batch, ...)      after the outputs: time a decode-only step for the gate
   release(seq)              a sequence ended or was preempted: drop its draft state (draft/head KV blocks)
 
 Without a speculative config it still samples (choose_tokens) and the rest are no-ops, so the engine's step
@@ -19,12 +19,12 @@ import time
 
 import torch
 
-from leverlab.engine.sampler import sample
-from leverlab.engine.sequence import Sequence
-from leverlab.spec.base import Proposer, build_proposer
-from leverlab.spec.config import SpeculativeConfig
-from leverlab.spec.gate import ThroughputGate
-from leverlab.spec.verify import verify
+from leverlab.core.sequence import Sequence
+from leverlab.speculative.base import Proposer, build_proposer
+from leverlab.speculative.gate import ThroughputGate
+from leverlab.speculative.verify import verify
+from leverlab.speculative_config import SpeculativeConfig
+from leverlab.worker.sampler import sample
 
 
 class SpecDecoder:

@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from leverlab.config import EngineConfig
 from leverlab.distributed import groups, protocol
-from leverlab.engine.parent_watch import exit_with_parent
 from leverlab.layers.attention import AttentionMetadata, forward_context, max_query_len_of
+from leverlab.worker.model_runner import ModelRunner
+from leverlab.worker.parent_watch import exit_with_parent
 
 log = logging.getLogger("leverlab")
 
@@ -37,6 +38,7 @@ class WorkerArgs:
     threads: int
     device: str  # "cpu" or "cuda:<local index>"
     parent_pid: int
+    aux_layers: tuple[int, ...] = ()  # EAGLE's feature layers (ModelRunner)
 
 
 def worker_main(args: WorkerArgs) -> None:
@@ -52,9 +54,8 @@ def worker_main(args: WorkerArgs) -> None:
         n = torch.zeros(1, dtype=torch.int64)
         dist.broadcast(n, 0)
         config = dataclasses.replace(args.config, num_kv_blocks=int(n))
-        from leverlab.engine.model_runner import ModelRunner
-
-        runner = ModelRunner(config, args.model_path, args.max_model_len, tp=state, device=device)
+        runner = ModelRunner(config, args.model_path, args.max_model_len, tp=state, device=device,
+                             aux_layers=args.aux_layers)
         runner.warmup()  # in lockstep with rank 0's warm-up: the same forwards, the same collectives
         groups.after_warmup(state)
         log.info("tensor-parallel rank %d/%d ready (%d threads, %d KV blocks)", args.rank, args.size,

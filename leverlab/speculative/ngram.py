@@ -7,8 +7,8 @@ costs only a search over the sequence's own tokens.
 
 from __future__ import annotations
 
-from leverlab.engine.sequence import Sequence
-from leverlab.spec.base import Draft
+from leverlab.core.sequence import Sequence
+from leverlab.speculative.base import Draft
 
 
 class NgramProposer:

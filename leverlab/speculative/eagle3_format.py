@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from leverlab.errors import UnsupportedLever
-from leverlab.spec.eagle_head import ARCHITECTURE, EagleConfig, EagleHead
+from leverlab.speculative.eagle_head import ARCHITECTURE, EagleConfig, EagleHead
 
 LAYER = "layers.0."
 # Our parameter name -> theirs (after the layer prefix is normalized to "layers.0.").
@@ -230,7 +230,7 @@ def export_speculators(head: EagleHead, out: str | Path, target_path: str | Path
     from safetensors.torch import save_file
 
     from leverlab.models.config import ModelConfig
-    from leverlab.spec.eagle import load_embedding_and_lm_head
+    from leverlab.speculative.eagle import load_embedding_and_lm_head
 
     cfg = head.config
     out, target_path = Path(out), Path(target_path)
@@ -293,7 +293,7 @@ def export_speculators(head: EagleHead, out: str | Path, target_path: str | Path
             "verifier": {"name_or_path": str(target_path), "architectures": raw_target.get("architectures", [])},
         },
         "torch_dtype": dtype,
-        "exported_by": "leverlab (spec/eagle3_format.py)",
+        "exported_by": "leverlab (speculative/eagle3_format.py)",
     }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
@@ -310,7 +310,7 @@ def speculators_export_of(head_dir: str | Path, target_path: str | Path) -> Path
     src = head_dir / "model.safetensors"
     done = out / "config.json"
     if not done.is_file() or done.stat().st_mtime < src.stat().st_mtime:
-        from leverlab.spec.eagle_head import load_head
+        from leverlab.speculative.eagle_head import load_head
 
         head = load_head(head_dir, torch.float32)
         export_speculators(head, out, target_path, dtype=head.config.dtype)

@@ -13,13 +13,13 @@ import dataclasses
 
 import torch
 
-from leverlab.engine.block_manager import BlockManager
-from leverlab.engine.model_runner import ModelRunner
-from leverlab.engine.sampler import probabilities
-from leverlab.engine.scheduler import ScheduledBatch
-from leverlab.engine.sequence import Sequence
+from leverlab.core.block_manager import BlockManager
+from leverlab.core.scheduler import ScheduledBatch
+from leverlab.core.sequence import Sequence
 from leverlab.errors import UnsupportedLever
-from leverlab.spec.base import Draft
+from leverlab.speculative.base import Draft
+from leverlab.worker.model_runner import ModelRunner
+from leverlab.worker.sampler import probabilities
 
 
 class DraftModelProposer:

@@ -11,7 +11,7 @@ TARGET's lm_head after `norm`, and is fed back as the feature of row i+1 when dr
 
 Our folder holds config.json (the target's shape, the aux layer ids, the layer's shape) and model.safetensors
 with only the head's weights. Heads in the formats the rest of the world writes (the `speculators` format and
-the original EAGLE-3 release, spec/eagle3_format.py) load into this same module; they may bring their own
+the original EAGLE-3 release, speculative/eagle3_format.py) load into this same module; they may bring their own
 lm_head over a reduced draft vocabulary (with the map back to target ids), their own embedding, and a few
 norm switches, all off for our own heads. Shapes: T rows, H = hidden size, A = len(aux_layer_ids),
 D = head_dim, Vd = draft vocabulary.
@@ -46,7 +46,7 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     EAGLE-3 takes (2, L/2, L-3) in vLLM's count, i.e. outputs (1, L/2-1, L-4). We go as high as vLLM can
     capture: on a small target the top layers carry most of the next-token information and the head has little
     capacity to rebuild them, but vLLM only sees the stream entering layers 0..L-1, so the top layer's own
-    output (our first heads used it) cannot be exported for vLLM (spec/eagle3_format.py)."""
+    output (our first heads used it) cannot be exported for vLLM (speculative/eagle3_format.py)."""
     if num_layers <= 3:
         return tuple(range(num_layers))
     return tuple(sorted({1, num_layers // 2, num_layers - 2}))
@@ -72,7 +72,7 @@ class EagleConfig:
     max_position_embeddings: int
     qk_norm: bool
     dtype: str = "bfloat16"  # of the stored weights
-    # Heads from other formats (spec/eagle3_format.py); the defaults are our own heads' choices.
+    # Heads from other formats (speculative/eagle3_format.py); the defaults are our own heads' choices.
     target_hidden_size: int | None = None  # the target's hidden size when it differs from the head's
     draft_vocab_size: int | None = None  # the head's own lm_head [Vd, H] and a draft->target id map; None: shared
     own_embedding: bool = False  # the head's own embedding table instead of the target's
@@ -240,7 +240,7 @@ def save_head(head: EagleHead, path: str | Path, dtype: str = "bfloat16") -> Non
 
 
 def build_head(cfg: EagleConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, path) -> EagleHead:
-    """The head from its config and a state dict in our names (spec/eagle3_format.py converts theirs)."""
+    """The head from its config and a state dict in our names (speculative/eagle3_format.py converts theirs)."""
     from leverlab.models.loader import _default_dtype
 
     with _default_dtype(dtype):  # parameters in the engine's dtype; rotary tables stay float32
@@ -255,7 +255,7 @@ def load_head(path: str | Path, dtype: torch.dtype, device: torch.device | str =
               target_num_layers: int | None = None) -> EagleHead:
     """Any supported head folder: ours, `speculators` (eagle3) or the original EAGLE-3 release.
     target_num_layers: for heads that do not name their aux layers (EAGLE-3's default depends on it)."""
-    from leverlab.spec.eagle3_format import detect_format, read_foreign
+    from leverlab.speculative.eagle3_format import detect_format, read_foreign
 
     if detect_format(path) != "leverlab":
         cfg, state = read_foreign(path, target_num_layers)
@@ -265,7 +265,7 @@ def load_head(path: str | Path, dtype: torch.dtype, device: torch.device | str =
 
 
 def head_config(path: str | Path, target_num_layers: int | None = None) -> EagleConfig:
-    from leverlab.spec.eagle3_format import detect_format, read_foreign_config
+    from leverlab.speculative.eagle3_format import detect_format, read_foreign_config
 
     if detect_format(path) != "leverlab":
         return read_foreign_config(path, target_num_layers)
@@ -279,7 +279,7 @@ def aux_layers_for(engine_config) -> tuple[int, ...]:
     if not raw:
         return ()
     from leverlab.config import default_model_path
-    from leverlab.spec.config import EAGLE_METHODS, SpeculativeConfig
+    from leverlab.speculative_config import EAGLE_METHODS, SpeculativeConfig
 
     spec = SpeculativeConfig.from_dict(raw)
     if spec.method not in EAGLE_METHODS:

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from leverlab.engine.sequence import Sequence
+from leverlab.core.sequence import Sequence
 
 
 @dataclass
@@ -48,10 +48,10 @@ class Proposer(Protocol):
 
 
 PROPOSERS = {
-    "ngram": "leverlab.spec.ngram:NgramProposer",
-    "draft_model": "leverlab.spec.draft_model:DraftModelProposer",
-    "eagle": "leverlab.spec.eagle:EagleProposer",
-    "eagle3": "leverlab.spec.eagle:EagleProposer",
+    "ngram": "leverlab.speculative.ngram:NgramProposer",
+    "draft_model": "leverlab.speculative.draft_model:DraftModelProposer",
+    "eagle": "leverlab.speculative.eagle:EagleProposer",
+    "eagle3": "leverlab.speculative.eagle:EagleProposer",
 }
 
 

@@ -16,26 +16,25 @@ import multiprocessing.connection
 import os
 import signal
 
+from leverlab import env
 from leverlab.config import EngineConfig, default_model_path
 from leverlab.distributed.rendezvous import Rendezvous
-from leverlab.distributed.worker import WorkerArgs, worker_main
 from leverlab.models.config import ModelConfig
+from leverlab.worker.tp_worker import WorkerArgs, worker_main
 
 log = logging.getLogger("leverlab")
 
 
-def run_node(config: EngineConfig, rdv: Rendezvous) -> int:
+def run_node(config: EngineConfig, rdv: Rendezvous, aux_layers: tuple[int, ...] = ()) -> int:
+    """aux_layers: EAGLE's feature layers, as rank 0's runner has them (the engine knows them: serve_node)."""
     import torch
-
-    from leverlab.engine.llm_engine import _default_threads
-    from leverlab.engine.model_runner import pick_device
 
     path = str(config.model or default_model_path())
     model_config = ModelConfig.from_folder(path)
     # The same numbers rank 0 uses: the KV-cache size itself is broadcast by rank 0 at start.
     max_len = config.max_model_len or model_config.max_position_embeddings
-    threads = config.num_threads or max(1, _default_threads(model_config, config.dtype) // rdv.per_node)
-    device = pick_device(config.device)
+    threads = config.num_threads or max(1, env.default_threads(model_config, config.dtype) // rdv.per_node)
+    device = env.pick_device(config.device)
     if device.type == "cuda" and torch.cuda.device_count() < rdv.per_node:
         log.error("node %d needs %d GPUs, %d visible", rdv.node_rank, rdv.per_node, torch.cuda.device_count())
         return 2
@@ -43,7 +42,8 @@ def run_node(config: EngineConfig, rdv: Rendezvous) -> int:
     procs = []
     for i, rank in enumerate(rdv.local_ranks):
         dev = f"cuda:{i}" if device.type == "cuda" else "cpu"
-        args = WorkerArgs(rank, rdv.size, rdv.addr, rdv.port, config, path, max_len, threads, dev, os.getpid())
+        args = WorkerArgs(rank, rdv.size, rdv.addr, rdv.port, config, path, max_len, threads, dev, os.getpid(),
+                          aux_layers)
         p = ctx.Process(target=worker_main, args=(args,), name=f"leverlab-tp-rank{rank}")
         p.start()
         procs.append(p)

@@ -38,7 +38,7 @@ class FusedHead:
 
 
 def fused_head(head, embed: torch.Tensor, draft_head: torch.nn.Module, kv_cache: torch.Tensor) -> FusedHead | None:
-    """A FusedHead over `head` (spec/eagle_head.py), drafting through `draft_head` (a Linear: the target's
+    """A FusedHead over `head` (speculative/eagle_head.py), drafting through `draft_head` (a Linear: the target's
     lm_head, an int8 copy of it, or the head's own over its draft vocabulary), or None (the reason is logged)."""
     try:
         return _build(head, embed, draft_head, kv_cache)

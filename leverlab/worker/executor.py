@@ -1,4 +1,10 @@
-"""Rank 0's side of tensor parallelism: start one worker process per other rank, keep them in step, watch them.
+"""Executors: what runs the engine's model steps. `LocalExecutor`, one process; `TPExecutor`, tensor parallel.
+
+Both offer the engine the same few members (runner, healthy, error, procs, counters(), close()), so the step loop
+has no tensor-parallel branches; `make_executor` picks one from the config.
+
+TPExecutor is rank 0's side of tensor parallelism: start one worker process per other rank, keep them in step,
+watch them.
 
 Rank 0 is the engine's own process: it schedules, owns the only block manager, samples and detokenizes.
 Its model runner (Rank0Runner) is a ModelRunner over rank 0's slice of the model whose every step first
@@ -23,14 +29,15 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from leverlab import env
 from leverlab.config import EngineConfig
 from leverlab.distributed import comm, groups, protocol
 from leverlab.distributed.parallel_state import check_model
 from leverlab.distributed.rendezvous import Rendezvous, resolve
-from leverlab.distributed.worker import WorkerArgs, worker_main
-from leverlab.engine.model_runner import ModelRunner, pick_device
 from leverlab.errors import TensorParallelError, UnsupportedLever
 from leverlab.models.config import ModelConfig
+from leverlab.worker.model_runner import ModelRunner
+from leverlab.worker.tp_worker import WorkerArgs, worker_main
 
 log = logging.getLogger("leverlab")
 
@@ -62,13 +69,41 @@ class Rank0Runner(ModelRunner):
         return out
 
 
+class LocalExecutor:
+    """One process, one rank: the runner runs every step itself; nothing to watch or stop."""
+
+    error: TensorParallelError | None = None
+    procs: tuple = ()  # no worker processes
+
+    def __init__(self, config: EngineConfig, model_path: str, max_model_len: int, aux_layers: tuple[int, ...] = ()):
+        self.runner = ModelRunner(config, model_path, max_model_len, aux_layers=aux_layers)
+
+    @property
+    def healthy(self) -> bool:
+        return True
+
+    def counters(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def make_executor(config: EngineConfig, model_path: str, max_model_len: int, threads: int,
+                  rdv: Rendezvous | None, aux_layers: tuple[int, ...] = ()) -> LocalExecutor | TPExecutor:
+    """The executor the config asks for: tensor parallel at --tensor-parallel-size > 1, else one process."""
+    if config.tensor_parallel_size > 1:
+        return TPExecutor(config, model_path, max_model_len, threads, rdv, aux_layers)
+    return LocalExecutor(config, model_path, max_model_len, aux_layers)
+
+
 class TPExecutor:
     def __init__(self, config: EngineConfig, model_path: str, max_model_len: int, threads: int,
-                 rdv: Rendezvous | None = None):
+                 rdv: Rendezvous | None = None, aux_layers: tuple[int, ...] = ()):
         size = config.tensor_parallel_size
         rdv = rdv or resolve(config)
-        device = pick_device(config.device)
-        local = rdv.per_node  # ranks on this host: 0 .. local-1 (other hosts start theirs: distributed/node.py)
+        device = env.pick_device(config.device)
+        local = rdv.per_node  # ranks on this host: 0 .. local-1 (other hosts start theirs: worker/node.py)
         if device.type == "cuda" and torch.cuda.device_count() < local:
             raise UnsupportedLever(f"--tensor-parallel-size {size} over {rdv.nnodes} host(s) needs {local} GPUs "
                                    f"per host; {torch.cuda.device_count()} visible")
@@ -87,7 +122,7 @@ class TPExecutor:
         for rank in range(1, local):
             dev = f"cuda:{rank}" if device.type == "cuda" else "cpu"
             args = WorkerArgs(rank, size, rdv.addr, port, config, model_path, max_model_len, threads, dev,
-                              os.getpid())
+                              os.getpid(), aux_layers)
             p = ctx.Process(target=worker_main, args=(args,), name=f"leverlab-tp-rank{rank}")
             p.start()
             self.procs.append(p)
@@ -97,7 +132,8 @@ class TPExecutor:
         try:
             self.state = groups.init_groups(0, size, rdv.addr, port, device, dead=self._dead_worker,
                                             host_store=not rdv.agent_store)
-            self.runner = Rank0Runner(self, config, model_path, max_model_len, tp=self.state, device=device)
+            self.runner = Rank0Runner(self, config, model_path, max_model_len, tp=self.state, device=device,
+                                      aux_layers=aux_layers)
             dist.broadcast(torch.tensor([self.runner.num_blocks], dtype=torch.int64), 0)  # the workers' KV size
         except BaseException:
             self.close()

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from leverlab.engine.sampler import probabilities
-from leverlab.engine.sequence import Sequence
+from leverlab.core.sequence import Sequence
+from leverlab.worker.sampler import probabilities
 
 
 def verify(seq: Sequence, logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None = None) -> list[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from leverlab.engine.sequence import Sequence
+from leverlab.core.sequence import Sequence
 from leverlab.outputs import PositionLogprobs
 from leverlab.sampling_params import SamplingParams
 
