@@ -129,6 +129,13 @@ class AsyncLLM:
     def healthy(self) -> bool:
         return self._dead is None and self._thread.is_alive() and self.engine.healthy
 
+    @property
+    def degraded(self) -> bool:
+        return False  # one engine serves whole or not at all
+
+    def health(self) -> dict:
+        return {}
+
     async def generate(self, prompt: EnginePrompt | str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         if not self.healthy:

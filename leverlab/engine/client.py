@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from leverlab.config import EngineConfig
 from leverlab.errors import RequestError
 from leverlab.outputs import RequestOutput
 from leverlab.sampling_params import SamplingParams
@@ -79,11 +80,23 @@ class EngineClient(Protocol):
     tokenizer: Any
     model_name: str
     max_model_len: int
-    vocab_size: int
-    config: Any
+    vocab_size: int  # token ids must be below this (the model's, possibly padded, vocabulary)
+    config: EngineConfig | None  # as configured (/version, /v1/models' root); None: an engine without one
+    quantization: str | None  # the weights' method as loaded (a pre-quantized checkpoint names its own)
 
     @property
-    def healthy(self) -> bool: ...
+    def healthy(self) -> bool:
+        """Serving: False once it cannot run a step any more (/health answers 503)."""
+        ...
+
+    @property
+    def degraded(self) -> bool:
+        """Serving with less than it started with (data parallel: some replicas left, the others serve)."""
+        ...
+
+    def health(self) -> dict[str, Any]:
+        """What /health adds to its status: each replica's state for a set of replicas; {} for one engine."""
+        ...
 
     @property
     def capacity_seqs(self) -> int:

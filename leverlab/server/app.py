@@ -11,12 +11,11 @@ import asyncio
 import concurrent.futures
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 import leverlab
 from leverlab.engine.client import EngineClient, EnginePrompt
@@ -25,131 +24,34 @@ from leverlab.outputs import RequestOutput
 from leverlab.server import auth, tokens_api
 from leverlab.server import responses as R
 from leverlab.server.admission import Admission, Ticket
-from leverlab.server.body import BodyParser, Limits
-from leverlab.server.errors import error_response, exception_response, install_handlers
+from leverlab.server.body import BodyParser
+from leverlab.server.errors import error_response, install_handlers
+from leverlab.server.gate import Gate
 from leverlab.server.gen_config import SamplingDefaults
 from leverlab.server.inputs import checked, default_max_tokens, encode_chat, encode_prompt, limits
 from leverlab.server.metrics import CONTENT_TYPE, ServerMetrics
-from leverlab.server.protocol import BadRequest, ChatCompletionRequest, CompletionRequest
+from leverlab.server.protocol import ChatCompletionRequest, CompletionRequest
+from leverlab.server.state import (
+    MAX_BODY_BYTES,
+    MAX_INFLIGHT_BODY_BYTES,
+    STREAM_STALL_TIMEOUT_S,
+    WORKER_THREADS,
+    ClientGone,
+    ServerState,
+    check_logprobs,
+    check_model,
+    off_loop,
+    read_request,
+    rejected,
+)
 from leverlab.server.streaming import GuardedStreamingResponse, StreamContext, event_stream, merge
 from leverlab.server.templates import TemplatePolicy, load_chat_template
 
 log = logging.getLogger("leverlab.server")
 
-MAX_BODY_BYTES = 32 * 1024 * 1024
-MAX_INFLIGHT_BODY_BYTES = 2 * MAX_BODY_BYTES
-# Routes whose body is a JSON request: anything else is 415, so that a web page cannot make a local server
-# work with a CORS-"simple" (text/plain, form) request, which browsers send without asking first.
-JSON_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
-KNOWN_PATHS = ("/health", "/metrics", "/version", "/v1/models", "/reset_prefix_cache", *JSON_PATHS)
-OFF_LOOP_CHARS = 16_384
-# A stream whose client has not taken a chunk for this long is aborted (its KV blocks freed).
-STREAM_STALL_TIMEOUT_S = 60.0
-WORKER_THREADS = 4
-
-
-@dataclass
-class ServerState:
-    engine: EngineClient
-    served_names: list[str]
-    api_key: str | None
-    metrics: ServerMetrics
-    token_text: R.TokenText
-    admission: Admission
-    limits: Limits
-    # Parsing, tokenizing, template rendering and building big responses run here, off the event loop.
-    pool: concurrent.futures.ThreadPoolExecutor
-    parser: BodyParser
-    templates: TemplatePolicy = field(default_factory=TemplatePolicy)
-    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
-    max_logprobs: int = 20
-    log_requests: bool = True
-    allowed_origins: tuple[str, ...] = ()
-    stall_timeout_s: float = STREAM_STALL_TIMEOUT_S
-    created: int = field(default_factory=R.now)
-    draining: bool = False
-    # Set once the engine has drained: streams and waits still open end at once (see streaming._next).
-    stopped: asyncio.Event = field(default_factory=asyncio.Event)
-    max_body_bytes: int = MAX_BODY_BYTES
-
-    @property
-    def model_name(self) -> str:
-        return self.served_names[0]
-
-
-class ClientGone(Exception):
-    """The client disconnected before the response started."""
-
-
-class Gate:
-    """Pure ASGI middleware (streaming-safe, unlike BaseHTTPMiddleware): refuses new requests while draining,
-    bodies that are not JSON (415), web pages' requests from origins not allowed (403), and requests without
-    the API key on /v1; counts answers by route and status."""
-
-    def __init__(self, app: ASGIApp, state: ServerState):
-        self.app, self.state = app, state
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        label = path if path in KNOWN_PATHS else "other"
-        status_seen: list[int] = []
-
-        async def counting_send(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                status_seen.append(message["status"])
-            await send(message)
-
-        if self.state.draining and path != "/metrics":
-            self.state.metrics.rejected.labels(reason="draining").inc()
-            resp = error_response(
-                503, "the server is shutting down; retry on another instance", headers={"Retry-After": "5"}
-            )
-        elif scope["method"] == "POST" and path in JSON_PATHS and not _is_json(scope["headers"]):
-            self.state.metrics.rejected.labels(reason="unsupported_media_type").inc()
-            resp = error_response(415, "send the body as JSON with 'Content-Type: application/json'")
-        elif (origin := _header(scope["headers"], b"origin")) is not None and (
-            auth.guarded(path) or path in JSON_PATHS
-        ) and not ("*" in self.state.allowed_origins or origin in self.state.allowed_origins):
-            self.state.metrics.rejected.labels(reason="origin").inc()
-            resp = error_response(403, f"requests from web pages (Origin {origin}) are refused; the operator can "
-                                  "allow an origin with --allowed-origins")
-        elif (
-            self.state.api_key
-            and auth.guarded(path)
-            and not auth.authorized(scope["headers"], self.state.api_key)
-        ):
-            self.state.metrics.rejected.labels(reason="unauthorized").inc()
-            resp = error_response(
-                401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
-            )
-        else:
-            resp = None
-        try:
-            if resp is not None:
-                await resp(scope, receive, counting_send)
-            else:
-                await self.app(scope, receive, counting_send)
-        finally:
-            self.state.metrics.http.labels(
-                path=label, status=str(status_seen[0] if status_seen else 499)
-            ).inc()
-
-
-def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
-    for k, v in headers:
-        if k.lower() == name:
-            return v.decode("latin-1")
-    return None
-
-
-def _is_json(headers: list[tuple[bytes, bytes]]) -> bool:
-    ctype = _header(headers, b"content-type")
-    if ctype is None:
-        return False
-    media = ctype.split(";", 1)[0].strip().lower()
-    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+def _model_path(engine: EngineClient) -> str | None:
+    """The model folder the engine serves, as configured (None where the engine has no config)."""
+    return engine.config.model if engine.config is not None else None
 
 
 def _served_names(args: Any, engine: Any) -> list[str]:
@@ -172,12 +74,12 @@ def build_app(engine: EngineClient, args: Any = None) -> FastAPI:
         api_key=auth.resolve_api_key(getattr(args, "api_key", None)),
         metrics=ServerMetrics(engine, names[0]),
         token_text=R.TokenText(engine.tokenizer),
-        admission=Admission(int(getattr(engine, "capacity_seqs", 1 << 30)), MAX_INFLIGHT_BODY_BYTES, MAX_BODY_BYTES),
+        admission=Admission(int(engine.capacity_seqs), MAX_INFLIGHT_BODY_BYTES, MAX_BODY_BYTES),
         limits=limits(engine),
         pool=pool,
         parser=BodyParser(pool),
         templates=TemplatePolicy(load_chat_template(opt("chat_template")), bool(opt("trust_request_chat_template"))),
-        defaults=SamplingDefaults.from_model(getattr(getattr(engine, "config", None), "model", None),
+        defaults=SamplingDefaults.from_model(_model_path(engine),
                                              opt("generation_config", "auto")),
         max_logprobs=int(opt("max_logprobs", 20)),
         log_requests=not opt("disable_log_requests", False),
@@ -205,15 +107,13 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        if getattr(engine, "healthy", True):
-            if hasattr(engine, "health"):  # replicas: each one's state; degraded once some left (others serve)
-                return R.OpenAIJSON({"status": "degraded" if engine.degraded else "ok", **engine.health()})
-            return R.OpenAIJSON({"status": "ok"})
+        if engine.healthy:  # replicas add each one's state; degraded once some left (the others serve)
+            return R.OpenAIJSON({"status": "degraded" if engine.degraded else "ok", **engine.health()})
         return error_response(503, "the engine is not running")
 
     @app.get("/version")
     async def version() -> Response:
-        cfg = getattr(engine, "config", None)
+        cfg = engine.config
         return R.OpenAIJSON(
             {
                 "version": leverlab.__version__,
@@ -241,7 +141,7 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
                 "object": "model",
                 "created": st.created,
                 "owned_by": "leverlab",
-                "root": str(getattr(getattr(engine, "config", None), "model", "") or name),
+                "root": str(_model_path(engine) or name),
                 "max_model_len": engine.max_model_len,
             }
             for name in st.served_names
@@ -253,14 +153,14 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
         ticket: Ticket | None = None
         try:
             req = await read_request(request, st, CompletionRequest)
-            _check_model(st, req.model)
+            check_model(st, req.model)
             st.defaults.apply(req)
             # parameter errors first, before tokenizing (max_tokens is only known after, when null)
             probe = req.sampling_params(req.max_tokens if req.max_tokens is not None else max(1, req.min_tokens))
-            _check_logprobs(st, probe.logprobs, probe.prompt_logprobs)
+            check_logprobs(st, probe.logprobs, probe.prompt_logprobs)
             raw_prompts = req.prompts()
             ticket = st.admission.reserve_seqs(len(raw_prompts), probe.n)  # before any tokenizing
-            prompts = await _off_loop(st, _encode_all, engine, raw_prompts, size=sum(map(len, raw_prompts)))
+            prompts = await off_loop(st, _encode_all, engine, raw_prompts, size=sum(map(len, raw_prompts)))
             # each prompt of a batch gets its own room in the context, as in vLLM
             per_prompt = [req.sampling_params(default_max_tokens(req.max_tokens, len(p.token_ids),
                                                                  engine.max_model_len)) for p in prompts]
@@ -269,7 +169,7 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
         except Exception as e:
             if ticket is not None:
                 ticket.release()
-            return _rejected(st, e)
+            return rejected(st, e)
         echo = (
             [p.text if p.text is not None else engine.tokenizer.decode(p.token_ids) for p in prompts]
             if req.echo
@@ -297,12 +197,12 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
         ticket: Ticket | None = None
         try:
             req = await read_request(request, st, ChatCompletionRequest)
-            _check_model(st, req.model)
+            check_model(st, req.model)
             st.defaults.apply(req)
             # parameter errors first, before the template runs (max_tokens may need the prompt's length)
             requested = req.requested_max_tokens()
             probe = req.sampling_params(requested if requested is not None else max(1, req.min_tokens))
-            _check_logprobs(st, probe.logprobs, probe.prompt_logprobs)
+            check_logprobs(st, probe.logprobs, probe.prompt_logprobs)
             template = st.templates.template_for(req)
             ticket = st.admission.reserve_seqs(1, probe.n)
             # Templates always render on a worker thread: even the server's own can be slow on a long chat.
@@ -316,7 +216,7 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
         except Exception as e:
             if ticket is not None:
                 ticket.release()
-            return _rejected(st, e)
+            return rejected(st, e)
         ctx = StreamContext(
             request_id=R.new_id("chatcmpl"),
             created=R.now(),
@@ -342,61 +242,6 @@ def _continuous_usage(req: Any) -> bool:
 
 def _encode_all(engine: Any, prompts: list[str | list[int]]) -> list:
     return [encode_prompt(engine, p) for p in prompts]
-
-
-def _check_logprobs(st: ServerState, logprobs: int | None, prompt_logprobs: int | None) -> None:
-    """--max-logprobs: vLLM's bound on top-k logprobs a request may ask for (each costs response bytes)."""
-    for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-        if k is not None and k > st.max_logprobs:
-            raise BadRequest(f"{name} must be at most {st.max_logprobs} on this server (--max-logprobs), got {k}",
-                             name)
-
-
-async def _off_loop(st: ServerState, fn, *args, size: int):
-    """Run fn(*args) here when the input is small, on a worker thread when large: tokenizing a long prompt
-    takes milliseconds that every open stream would otherwise wait for."""
-    if size > OFF_LOOP_CHARS:
-        return await asyncio.get_running_loop().run_in_executor(st.pool, fn, *args)
-    return fn(*args)
-
-
-async def read_request(request: Request, st: ServerState, model: type) -> Any:
-    """The body, read under the byte admission and parsed (off the loop when big) as `model`."""
-    length = request.headers.get("content-length")
-    try:
-        declared = max(0, int(length)) if length is not None else 0
-    except ValueError:
-        raise BadRequest("Content-Length is not a number") from None
-    ticket = st.admission.reserve_bytes(declared)
-    try:
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > ticket.nbytes:
-                st.admission.grow_bytes(ticket, size - ticket.nbytes)
-            chunks.append(chunk)
-        return await st.parser.parse(b"".join(chunks), model, st.limits)
-    finally:
-        ticket.release()
-
-
-def _check_model(st: ServerState, model: str | None) -> None:
-    if model is not None and model not in st.served_names:
-        raise BadRequest(
-            f"The model {model!r} does not exist; this server serves {', '.join(map(repr, st.served_names))}",
-            "model",
-            status=404,
-            code="model_not_found",
-        )
-
-
-def _rejected(st: ServerState, e: Exception) -> Response:
-    resp = exception_response(e)
-    reason = {400: "bad_request", 404: "unknown_model", 413: "too_large", 503: "overloaded"}.get(
-        resp.status_code, str(resp.status_code)
-    )
-    st.metrics.rejected.labels(reason=reason).inc()
-    return resp
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -465,7 +310,7 @@ async def _serve(
             return error_response(500, "the engine produced no output")
         except Exception as e:
             await merged.aclose()
-            return _rejected(st, e)
+            return rejected(st, e)
         if stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             ctx.on_done = ticket.release
@@ -487,7 +332,7 @@ async def _serve(
             return Response(body, media_type="application/json")
         return R.OpenAIJSON(_full_response(ctx, finals))
     except Exception as e:
-        return _rejected(st, e)
+        return rejected(st, e)
     finally:
         if not handed_off:
             ticket.release()

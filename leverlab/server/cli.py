@@ -102,7 +102,7 @@ def lever_summary(engine: Any) -> str:
     values = {k: getattr(cfg, k, None) for k in keys}
     # What the weights are as loaded: a pre-quantized checkpoint (AWQ, GPTQ, `leverlab quantize` output)
     # carries its method without --quantization.
-    values["quantization"] = getattr(engine, "quantization", None) or values["quantization"]
+    values["quantization"] = engine.quantization or values["quantization"]
     return f"max_model_len={engine.max_model_len} " + " ".join(f"{k}={v}" for k, v in values.items())
 
 

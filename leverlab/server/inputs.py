@@ -26,8 +26,8 @@ class Prompt:
 
 
 def vocab_size(engine: Any) -> int:
-    """Token ids must be below this. The engine may know the model's (padded) vocab; else the tokenizer's."""
-    return int(getattr(engine, "vocab_size", None) or len(engine.tokenizer))
+    """Token ids must be below this: the model's (possibly padded) vocabulary, as the engine reports it."""
+    return int(engine.vocab_size)
 
 
 def limits(engine: Any) -> Limits:

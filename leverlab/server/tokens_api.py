@@ -20,6 +20,7 @@ from starlette.responses import Response
 from leverlab.server import responses as R
 from leverlab.server.inputs import encode_chat
 from leverlab.server.protocol import BadRequest, ChatCompletionRequest, ChatMessage, _Strict
+from leverlab.server.state import ServerState, check_model, read_request, rejected
 
 
 class TokenizeRequest(_Strict):
@@ -53,16 +54,14 @@ class DetokenizeRequest(_Strict):
             raise BadRequest(f"token id {bad} is out of the vocabulary [0, {limits.vocab_size})", "tokens")
 
 
-def add_routes(app: FastAPI, st: Any) -> None:
-    from leverlab.server.app import _check_model, _rejected, read_request
-
+def add_routes(app: FastAPI, st: ServerState) -> None:
     engine = st.engine
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         try:
             req = await read_request(request, st, TokenizeRequest)
-            _check_model(st, req.model)
+            check_model(st, req.model)
             loop = asyncio.get_running_loop()
             if req.messages is not None:
                 chat = ChatCompletionRequest(
@@ -78,7 +77,7 @@ def add_routes(app: FastAPI, st: Any) -> None:
                     st.pool, lambda: list(engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)))
             strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         except Exception as e:
-            return _rejected(st, e)
+            return rejected(st, e)
         return R.OpenAIJSON({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                              "token_strs": strs})
 
@@ -86,8 +85,8 @@ def add_routes(app: FastAPI, st: Any) -> None:
     async def detokenize(request: Request) -> Response:
         try:
             req = await read_request(request, st, DetokenizeRequest)
-            _check_model(st, req.model)
+            check_model(st, req.model)
             text = await asyncio.get_running_loop().run_in_executor(st.pool, engine.tokenizer.decode, req.tokens)
         except Exception as e:
-            return _rejected(st, e)
+            return rejected(st, e)
         return R.OpenAIJSON({"prompt": text})

@@ -220,7 +220,7 @@ def analyze(out_dir: Path, price_per_hour: float | None = None) -> dict[str, Any
 
 def _facts_of(facts, predict):
     """Levers -> the facts of the model they serve (the model lever's folder; else the study's)."""
-    from leverlab.study.engines.leverlab import resolve
+    from leverlab.study.engines.base import resolve
 
     cache: dict[str, Any] = {}
 

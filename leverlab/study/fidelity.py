@@ -190,7 +190,7 @@ def _in_subprocess(name: str, flags: list[str], spec: dict, workdir: Path, out_n
 def _engine_kwargs(lv: dict[str, Any]) -> dict[str, Any]:
     spec = lv.get("speculative")
     if spec and spec.get("model"):
-        from leverlab.study.engines.leverlab import resolve
+        from leverlab.study.engines.base import resolve
 
         spec = {**spec, "model": str(resolve(spec["model"]) or spec["model"])}
     return {

@@ -37,7 +37,9 @@ class FakeEngine:
         self.vocab_size = len(tokenizer)
         self.capacity_seqs = 1024  # the fake's own overload point (max_running + max_waiting) comes first
         self.config = SimpleNamespace(model="fake")
+        self.quantization = None
         self.healthy = True
+        self.degraded = False
         self.dead = False
         self.max_running, self.max_waiting, self.step_s = max_running, max_waiting, step_s
         self.running: set[str] = set()
@@ -54,6 +56,9 @@ class FakeEngine:
             self.total_blocks - 2 * len(self.running),
             {"prefix_cache_hits": 3},
         )
+
+    def health(self) -> dict:
+        return {}
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

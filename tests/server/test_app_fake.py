@@ -172,3 +172,18 @@ def test_stream_cut_by_the_drain_ends_with_abort_and_done(engine):
     finishes = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
     assert finishes == ["abort", "abort"]
     assert engine.aborted  # the engine request was closed, so its blocks are freed
+
+
+def test_engines_implement_the_whole_client_protocol(engine):
+    """The server reads only EngineClient's members, never probes: so every engine it serves has them all."""
+    from leverlab.engine.async_engine import AsyncLLM
+    from leverlab.engine.client import EngineClient
+    from leverlab.engine.replicas import ReplicaSet
+
+    assert isinstance(engine, EngineClient)
+    methods = {"healthy", "degraded", "health", "capacity_seqs", "generate", "abort", "reset_prefix_cache", "stats",
+               "shutdown"}
+    assert methods <= set(dir(EngineClient))
+    for cls in (AsyncLLM, ReplicaSet):  # data members are set in __init__: the callables and properties here
+        missing = sorted(m for m in methods if not hasattr(cls, m) and m != "capacity_seqs")
+        assert not missing, f"{cls.__name__} lacks {missing}"

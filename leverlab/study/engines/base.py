@@ -21,6 +21,8 @@ import httpx
 
 from leverlab.study.plan import Levers
 
+REPO = Path(__file__).resolve().parents[3]  # the repository root: plans name models/... from there
+
 # An engine's refusal of a lever at start-up (LeverLab: exit 2 with a clear message, see server/cli.py).
 UNAVAILABLE_EXIT_CODES = (2,)
 
@@ -87,9 +89,15 @@ def served_model(model: str, levers: Levers) -> str:
     the repository root too as plans name models/... ."""
     if not levers.model:
         return model
-    from leverlab.study.engines.leverlab import resolve
-
     return str(resolve(levers.model) or levers.model)
+
+
+def resolve(path: str) -> Path | None:
+    """A model folder as given, else relative to the repository (plans name models/... from the repo root)."""
+    for p in (Path(path), REPO / path):
+        if p.exists():
+            return p.resolve()
+    return None
 
 
 class Engine:

@@ -11,18 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-from leverlab.study.engines.base import Engine, served_model
+from leverlab.study.engines.base import Engine, resolve, served_model
 from leverlab.study.plan import Levers
-
-REPO = Path(__file__).resolve().parents[3]
-
-
-def resolve(path: str) -> Path | None:
-    """A model folder as given, else relative to the repository (plans name models/... from the repo root)."""
-    for p in (Path(path), REPO / path):
-        if p.exists():
-            return p.resolve()
-    return None
 
 
 class LeverLabEngine(Engine):

@@ -137,7 +137,7 @@ class LlamaCppEngine(Engine):
         """{study precision: GGUF path}; a failure is kept in self.errors (its configurations then fail with
         the reason) rather than raised, so the precisions that did convert still run."""
         from leverlab.bench import peer_llamacpp as peer
-        from leverlab.study.engines.leverlab import resolve
+        from leverlab.study.engines.base import resolve
 
         src = resolve(folder)
         quantize = _cached_tool("llama-quantize")

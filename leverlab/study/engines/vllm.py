@@ -32,8 +32,7 @@ from pathlib import Path
 
 from leverlab.bench import peer_vllm
 from leverlab.bench.peer_vllm import EXPORTS
-from leverlab.study.engines.base import Engine, StartFailed, served_model
-from leverlab.study.engines.leverlab import resolve
+from leverlab.study.engines.base import Engine, StartFailed, resolve, served_model
 from leverlab.study.plan import Levers
 
 ON_THE_FLY = {"fp8": "fp8"}  # --quantization values vLLM applies to a bf16 checkpoint at load
