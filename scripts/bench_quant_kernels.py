@@ -53,7 +53,7 @@ class Stack(nn.Module):
         if method == "int8-mm":
             mm = MMInt8()
             for m in [*self.ups, *self.downs]:
-                m.quant_method = mm
+                m.use(mm)
 
     def forward(self, x):
         for up, down in zip(self.ups, self.downs):

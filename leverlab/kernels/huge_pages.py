@@ -9,7 +9,7 @@ two threads 23.4 -> 21.0 ms and 24.3 -> 20.5 ms per pass (median), one thread 40
 
 How: one anonymous mapping per model, madvised for huge pages and started at a 2 MB boundary; each weight is copied
 into it in turn and re-pointed there (a Parameter's data, a buffer, or the tuple of a kernel's own layout:
-an int4 layer's `q4`), so the old copy is freed as the next one is made
+a quantized layer's `kernel_state.stream`), so the old copy is freed as the next one is made
 (the peak is the model plus 64 MB, not twice the model). Tied weights stay one tensor. The kernel backs the
 mapping with huge pages where it can and with 4 KB pages where it cannot, so this never fails for lack of them.
 Where THP is off (`never`) or not Linux, nothing moves. LEVERLAB_NO_HUGE_PAGES=1 turns it off (A/B runs).
@@ -18,6 +18,7 @@ Where THP is off (`never`) or not Linux, nothing moves. LEVERLAB_NO_HUGE_PAGES=1
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import mmap
 import sys
@@ -56,8 +57,9 @@ def thp_mode() -> str:
     return text[text.index("[") + 1:text.index("]")] if "[" in text else "none"
 
 
-# A slot names where a weight lives: (module, "param" / "buffer" / "attr", name, index in a tuple or None). The
-# streaming kernels' copies are plain attributes holding tuples (an int4 layer's `q4`, an int8 one's `q8`).
+# A slot names where a weight lives: (owner, "param" / "buffer" / "attr", name, index in a tuple or None). The
+# streaming kernels' copies sit in a quantized layer's runtime state (quant/base.py: KernelState, a dataclass
+# attribute of the layer), as tuples (`stream`: weights, scales): "attr" slots whose owner is that state object.
 Slot = tuple
 
 
@@ -71,13 +73,16 @@ def _slots(model: torch.nn.Module) -> list[Slot]:
     for module in model.modules():
         out += [(module, "param", n, None) for n, t in module._parameters.items() if t is not None and fits(t)]
         out += [(module, "buffer", n, None) for n, t in module._buffers.items() if fits(t)]
-        for n, v in vars(module).items():
-            if n.startswith("_") or isinstance(v, torch.nn.Parameter):
-                continue
-            if fits(v):
-                out.append((module, "attr", n, None))
-            elif isinstance(v, tuple):
-                out += [(module, "attr", n, i) for i, t in enumerate(v) if fits(t)]
+        owners = [module] + [v for n, v in vars(module).items()
+                             if not n.startswith("_") and dataclasses.is_dataclass(v) and not isinstance(v, type)]
+        for owner in owners:
+            for n, v in vars(owner).items():
+                if n.startswith("_") or isinstance(v, torch.nn.Parameter):
+                    continue
+                if fits(v):
+                    out.append((owner, "attr", n, None))
+                elif isinstance(v, tuple):
+                    out += [(owner, "attr", n, i) for i, t in enumerate(v) if fits(t)]
     return out
 
 

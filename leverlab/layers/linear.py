@@ -1,7 +1,8 @@
 """Linear layers whose weights may be packed from several checkpoint tensors (q/k/v, gate/up).
 
-A linear layer is the single place where weight precision is decided: quantization methods (issue 6)
-replace `forward` and the stored weight through `quant_method`, and the model code never changes.
+A linear layer is the single place where weight precision is decided: every Linear runs through a method
+(`self.method.apply`), the unquantized one by default, a quantization method (quant/) once the loader gives it
+one (`use`), with the runtime state that method declares (`kernel_state`). The model code never changes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from leverlab.layers import bf16_linear
+from leverlab.quant.base import QuantMethod
+
+
+class UnquantizedMethod(QuantMethod):
+    """The default method: the float weight as loaded. Decode-sized bf16 batches on the CPU take our streaming
+    kernel (layers/bf16_linear.py), everything else aten's linear."""
+
+    name = "none"
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if bf16_linear.wanted(x, layer.weight):
+            return bf16_linear.linear(x, layer.weight, layer.bias)
+        return F.linear(x, layer.weight, layer.bias)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return layer.weight.float()
+
+
+UNQUANTIZED = UnquantizedMethod()
 
 
 class Linear(nn.Module):
@@ -22,7 +45,14 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.shards = shards or {}
-        self.quant_method = None  # a leverlab.quant QuantMethod, set by the loader; None: plain float weights
+        self.use(None)
+
+    def use(self, method: QuantMethod | None) -> None:
+        """Run through `method` (None: the unquantized default), with a fresh copy of the runtime state it
+        declares; the method's create_weights comes next (models/loader.py: attach_quant_method)."""
+        self.quant_method = method  # None: plain float weights
+        self.method = method if method is not None else UNQUANTIZED
+        self.kernel_state = self.method.new_state()
 
     def load(self, kind: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         """Copy one checkpoint tensor (`kind` is "weight" or "bias") into its rows of the packed parameter."""
@@ -45,11 +75,7 @@ class Linear(nn.Module):
         return tensor  # unsharded: the whole checkpoint tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant_method is not None:
-            return self.quant_method.apply(self, x)
-        if bf16_linear.wanted(x, self.weight):  # decode-sized bf16 batches on CPU: our streaming kernel
-            return bf16_linear.linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.method.apply(self, x)
 
 
 def packed(sizes: dict[str, int]) -> tuple[int, dict[str, tuple[int, int]]]:

@@ -27,7 +27,6 @@ from leverlab.kernels import cpu_kernels
 from leverlab.layers.attention import KERNEL_MAX_SPAN, AttentionMetadata
 from leverlab.models.decoder import CausalLM
 from leverlab.quant import autotune, int8_gemm
-from leverlab.quant.int8 import STREAMING_MAX_ROWS
 
 log = logging.getLogger("leverlab")
 
@@ -119,11 +118,11 @@ def _set_batched(dec, quantized: list, num_layers: int) -> int | None:
     covered = True
     for i, j, lin in quantized:
         if autotune.eligible(lin):
-            w = int8_gemm.packed(lin.int8_key)
+            w = int8_gemm.packed(lin.kernel_state.int8_key)
             if isinstance(w, int8_gemm.AmxWeight):
-                dec.set_batched_amx(i, j, w.packed, w.scales, lin.stream_rows)
+                dec.set_batched_amx(i, j, w.packed, w.scales, lin.kernel_state.stream_rows)
             else:
-                dec.set_batched(i, j, w, lin.stream_rows, int8_gemm.REDUCE_RANGE)
+                dec.set_batched(i, j, w, lin.kernel_state.stream_rows, int8_gemm.REDUCE_RANGE)
         else:
             covered = False
     return None if covered else autotune.fused_rows([lin for _, _, lin in quantized], num_layers)
@@ -146,7 +145,7 @@ def _set_head(dec, model: CausalLM, dtype: torch.dtype) -> int:
         return 0
     kind, (w, scale, _) = weights
     dec.set_head(kind, w, scale)
-    return getattr(head, "stream_rows", STREAMING_MAX_ROWS)
+    return head.kernel_state.stream_rows
 
 
 class FusedForward:

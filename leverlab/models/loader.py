@@ -132,7 +132,7 @@ def attach_quant_method(model: nn.Module, method: QuantMethod | None, head: Quan
         m = head if name == "lm_head" else method
         if isinstance(module, Linear) and m is not None:
             module.is_lm_head = name == "lm_head"
-            module.quant_method = m
+            module.use(m)
             m.create_weights(module)
             layers.append(module)
     return layers

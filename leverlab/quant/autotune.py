@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from leverlab.quant.int8 import STREAMING_MAX_ROWS
+from leverlab.quant.base import STREAMING_MAX_ROWS
 
 log = logging.getLogger("leverlab")
 
@@ -46,14 +46,14 @@ def eligible(layer) -> bool:
     """A layer with both a streaming copy and fbgemm's int8 copy, whose method may switch between them at any
     row count (int8-woq keeps weight-only arithmetic up to 8 rows, so it does not)."""
     m = layer.quant_method
-    streams = any(getattr(layer, name, None) is not None for name in ("q8", "q4", "q6"))
-    return (streams and getattr(layer, "int8_key", None) is not None and m.w8a8_min_rows is not None
+    state = layer.kernel_state
+    return (state.stream is not None and state.int8_key is not None and m.w8a8_min_rows is not None
             and m.w8a8_min_rows <= 2)
 
 
 def _best_time(layer, x: torch.Tensor, stream_rows: int, reps: int) -> float:
     """The best of `reps` calls of the layer's kernel for x, with the layer streaming up to stream_rows rows."""
-    layer.stream_rows = stream_rows
+    layer.kernel_state.stream_rows = stream_rows
     layer.quant_method.apply(layer, x)
     best = float("inf")
     for _ in range(reps):
@@ -79,11 +79,11 @@ def tune(layers: list) -> None:
     cache: dict[tuple, dict[int, tuple[float, float]]] = {}
     t0 = time.perf_counter()
     for layer in layers:
-        layer.stream_rows, layer.row_times = STREAMING_MAX_ROWS, None
+        layer.kernel_state.stream_rows, layer.kernel_state.row_times = STREAMING_MAX_ROWS, None
         if not eligible(layer):
             continue
         if fixed is not None:
-            layer.stream_rows = max(0, min(STREAMING_MAX_ROWS, int(fixed)))
+            layer.kernel_state.stream_rows = max(0, min(STREAMING_MAX_ROWS, int(fixed)))
             continue
         m = layer.quant_method
         key = (m.name, getattr(m, "group_size", None), layer.out_features, layer.in_features, layer.params_dtype,
@@ -92,30 +92,30 @@ def tune(layers: list) -> None:
             with torch.inference_mode():
                 cache[key] = _measure(layer)
         times = cache[key]
-        layer.row_times = times
+        layer.kernel_state.row_times = times
         rows = 1  # one row always streams: it reads the weights once, fbgemm's fixed cost alone is larger
         for r in ROWS[1:]:  # the largest row count reached without a clear loss on the way
             if times[r][0] > (1 + MARGIN) * times[r][1]:
                 break
             rows = r
-        layer.stream_rows = rows
+        layer.kernel_state.stream_rows = rows
     if cache:
         log.info("quantized linears: streaming kernels up to %s rows (by shape), fbgemm past that; timed in %.1f s",
-                 sorted({layer.stream_rows for layer in layers if eligible(layer)}), time.perf_counter() - t0)
+                 sorted({layer.kernel_state.stream_rows for layer in layers if eligible(layer)}), time.perf_counter() - t0)
 
 
 def fused_rows(layers: list, num_decoder_layers: int) -> int:
     """The most rows the fused step takes when it streams every one of `layers`."""
-    timed = [layer for layer in layers if getattr(layer, "row_times", None) is not None]
-    fixed = [layer.stream_rows for layer in layers if getattr(layer, "row_times", None) is None and eligible(layer)]
+    timed = [layer for layer in layers if layer.kernel_state.row_times is not None]
+    fixed = [layer.kernel_state.stream_rows for layer in layers if layer.kernel_state.row_times is None and eligible(layer)]
     if fixed:  # LEVERLAB_STREAM_ROWS
         return min(fixed)
     if not timed:
         return STREAMING_MAX_ROWS
     rows = 0
     for r in ROWS:
-        fused = sum(layer.row_times[r][0] for layer in timed)
-        modules = sum(min(layer.row_times[r]) for layer in timed) + num_decoder_layers * module_cost_per_layer_s(r)
+        fused = sum(layer.kernel_state.row_times[r][0] for layer in timed)
+        modules = sum(min(layer.kernel_state.row_times[r]) for layer in timed) + num_decoder_layers * module_cost_per_layer_s(r)
         if fused > (1 + MARGIN) * modules:
             break
         rows = r

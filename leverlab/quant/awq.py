@@ -10,41 +10,9 @@ dequantization trick; we undo it once at load time and hand the int4 kernel its 
 
 from __future__ import annotations
 
-import torch
-
 from leverlab.quant.base import TensorLayout
 from leverlab.quant.int4 import Int4Method
-
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column AWQ_ORDER[i] of its group of 8
-AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j sits in nibble AWQ_REVERSE_ORDER[j]
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
-
-
-def unpack_cols(packed: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
-    """int32 [r, c/8] -> uint8 [r, c]: 8 nibbles per int32 along the last dim, optionally reordered."""
-    nib = (packed.to(torch.int32)[..., None] >> _SHIFTS.to(packed.device)) & 0xF  # [r, c/8, 8] in nibble order
-    if order is not None:
-        nib = nib[..., list(order)]
-    return nib.reshape(packed.shape[0], -1).to(torch.uint8)
-
-
-def pack_cols(vals: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
-    """uint8 [r, c] (0..15) -> int32 [r, c/8], the inverse of unpack_cols (with the inverse order)."""
-    r, c = vals.shape
-    v = vals.to(torch.int64).reshape(r, c // 8, 8)
-    if order is not None:
-        v = v[..., list(order)]  # nibble i <- column order[i]
-    word = (v << _SHIFTS.to(torch.int64).to(vals.device)).sum(dim=-1)
-    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
-
-
-def pack_awq(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, scale_dtype=torch.float16) -> dict:
-    """Our out-major (q [out, in], scales/zeros [out, in/g]) -> the AWQ GEMM checkpoint tensors."""
-    return {
-        "qweight": pack_cols(q.t().contiguous(), AWQ_ORDER),
-        "qzeros": pack_cols(zeros.t().contiguous(), AWQ_ORDER),
-        "scales": scales.t().contiguous().to(scale_dtype),
-    }
+from leverlab.quant.layouts import AWQ_REVERSE_ORDER, unpack_cols
 
 
 class AWQMethod(Int4Method):

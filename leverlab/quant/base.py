@@ -21,9 +21,12 @@ by (up to the activation dtype's rounding); the tests hold every method to it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+
+STREAMING_MAX_ROWS = 16  # rows up to which our streaming kernels beat the batched GEMMs (csrc: quant_max_rows)
 
 # Checkpoint module names that a weight-quantization method converts by default. The output head and the
 # embeddings stay in the model dtype, as AWQ/GPTQ checkpoints keep them: the tied head is also the input
@@ -47,12 +50,33 @@ class TensorLayout:
 DEFAULT_LAYOUTS = {"weight": TensorLayout(0, 1, 1, 1), "bias": TensorLayout(0, 1, None, 1)}
 
 
+@dataclass
+class KernelState:
+    """The runtime state a quantization method keeps on a layer besides its parameters: the kernels' own copies of
+    the weight and which of them a call takes. A method declares it (QuantMethod.new_state), the layer holds it as
+    `layer.kernel_state` from the moment it takes the method (Linear.use), and the method fills it in
+    process_weights_after_loading; the fused decoder, autotune and huge pages read these fields, never probe."""
+
+    # Our streaming kernel's (weights, scales) in its layout (rows, AVX-512 VNNI panels or AVX2 interleaved),
+    # for up to stream_rows rows on the CPU; None: no kernel of ours here.
+    stream: tuple[torch.Tensor, torch.Tensor] | None = None
+    int8_key: Any = None  # fbgemm's / our AMX int8 GEMM's packed copy for batched rows (quant/int8_gemm.py)
+    stream_rows: int = STREAMING_MAX_ROWS  # the streaming kernel takes calls of up to this many rows (autotune.py)
+    row_times: dict[int, tuple[float, float]] | None = None  # rows -> (streaming, GEMM) seconds, where timed
+    perm: torch.Tensor | None = None  # GPTQ act-order: the input permutation that makes groups contiguous
+    dense: torch.Tensor | None = None  # int6 without our kernels: the weight dequantized, in the model dtype
+
+
 class QuantMethod:
     name: str = ""
     bits_per_weight: float = 16.0  # storage per weight, scales included (for bytes-per-token estimates)
     # True (`int8+head`, `int4+head`): the output head in this same method. Otherwise the head's method is chosen
     # by --lm-head-quantization (registry.head_quant_method): int8 for int8, int6 (or int8) for int4 by default.
     quantize_lm_head: bool = False
+
+    def new_state(self) -> KernelState:
+        """The runtime state this method keeps on each layer (KernelState's fields; a method may extend it)."""
+        return KernelState()
 
     def create_weights(self, layer: nn.Module) -> None:
         """Default: keep the floating-point `layer.weight`, filled from the checkpoint and converted later."""

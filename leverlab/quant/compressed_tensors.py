@@ -2,7 +2,7 @@
 its int8 GEMM (CPUInt8ScaledMMLinearKernel). `leverlab quantize SRC DST --method w8a8` writes it, so vLLM can be
 measured at 8 bits on a CPU, where its on-the-fly fp8 does not run (docs/bench.md has the error it gives).
 
-The math is our int8's: per-output-channel symmetric weights, round to nearest (quant/int8.py quantize_int8), and
+The math is our int8's: per-output-channel symmetric weights, round to nearest (quant/layouts.py quantize_int8), and
 activations quantized per token at run time (dynamic), as our int8 does for batched rows. The tensors keep their
 names (`...q_proj.weight` becomes int8) beside a `weight_scale` [out, 1] in float32; the output head is left as it
 is (listed under "ignore"). LeverLab's own loader does not read this format yet and says so.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from leverlab.quant.int8 import quantize_int8
+from leverlab.quant.layouts import quantize_int8
 
 
 class W8A8Export:

@@ -13,19 +13,18 @@ With desc_act (act-order) groups are not contiguous in the input: we sort the in
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from leverlab.quant.awq import unpack_cols
-from leverlab.quant.base import TensorLayout
+from leverlab.quant.base import KernelState, TensorLayout
 from leverlab.quant.int4 import Int4Method
+from leverlab.quant.layouts import unpack_cols, unpack_rows
 
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
-
-def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [r/8, c] -> uint8 [r, c], nibble j of packed[r] being row 8r + j."""
-    nib = (packed.to(torch.int32)[:, None, :] >> _SHIFTS.to(packed.device)[None, :, None]) & 0xF  # [r/8, 8, c]
-    return nib.reshape(-1, packed.shape[1]).to(torch.uint8)
+@dataclass
+class GPTQState(KernelState):
+    perm_seen: bool = False  # a shard's g_idx has set `perm`: the other shards of the packed layer must agree
 
 
 class GPTQMethod(Int4Method):
@@ -35,6 +34,9 @@ class GPTQMethod(Int4Method):
     def __init__(self, group_size: int = 128, zero_offset: int = 1):
         super().__init__(group_size)
         self.zero_offset = zero_offset  # added to stored zeros: 1 for v1 checkpoints, 0 for gptq_v2
+
+    def new_state(self) -> GPTQState:
+        return GPTQState()
 
     @classmethod
     def from_checkpoint_config(cls, qcfg: dict) -> GPTQMethod:
@@ -77,10 +79,10 @@ class GPTQMethod(Int4Method):
             perm = torch.argsort(g_idx, stable=True)
             if not torch.equal(g_idx[perm], plain):
                 raise ValueError("GPTQ g_idx does not put exactly group_size channels in each group")
-        seen = getattr(layer, "_g_idx_seen", False)
-        if seen and not _same(layer.q_perm, perm):
+        state = layer.kernel_state
+        if state.perm_seen and not _same(state.perm, perm):
             raise ValueError(f"GPTQ shards of one packed layer have different g_idx (shard {shard})")
-        layer._g_idx_seen, layer.q_perm = True, perm
+        state.perm_seen, state.perm = True, perm
 
 
 def _same(a, b) -> bool:

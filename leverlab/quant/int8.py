@@ -25,34 +25,15 @@ from __future__ import annotations
 import torch
 
 from leverlab.quant import int8_gemm
-from leverlab.quant.base import QuantMethod, TensorLayout, copy_checked, flatten, set_param, shard_rows
-
-
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [out, in] -> (q int8 [out, in], scales float32 [out]), per-channel symmetric round-to-nearest."""
-    w = w.float()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scales
-
-
-def pack_int8_panels(q: torch.Tensor) -> torch.Tensor:
-    """The panel layout of the AVX-512 VNNI kernel (csrc/quant_linear.cpp, int8_panels_q8): [out / 16, in / 32,
-    512] uint8. Rows 16 p .. 16 p + 15 form panel p; per 32-channel block, 8 vectors of 64 bytes, where bytes
-    4 r .. 4 r + 3 of vector j hold row r's channels 4 j .. 4 j + 3, each as q + 128. out % 16 == in % 32 == 0."""
-    out, k = q.shape
-    v = (q.to(torch.int16) + 128).to(torch.uint8).reshape(out // 16, 16, k // 32, 8, 4)
-    return v.permute(0, 2, 3, 1, 4).reshape(out // 16, k // 32, 512).contiguous()
-
-
-def int8_panels_to_rows(panels: torch.Tensor) -> torch.Tensor:
-    """pack_int8_panels' weight as rows ([out, in] int8)."""
-    npan, nb, _ = panels.shape
-    v = panels.reshape(npan, nb, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(npan * 16, nb * 32)
-    return (v.to(torch.int16) - 128).to(torch.int8)
-
-
-STREAMING_MAX_ROWS = 16  # rows up to which our streaming kernels beat the batched GEMMs (csrc: quant_max_rows)
+from leverlab.quant.base import (
+    QuantMethod,
+    TensorLayout,
+    copy_checked,
+    flatten,
+    set_param,
+    shard_rows,
+)
+from leverlab.quant.layouts import pack_int8_panels, quantize_int8
 
 
 def streaming_kernels(device: torch.device):
@@ -108,22 +89,23 @@ class Int8Method(QuantMethod):
             super().tensor_layout(kind)
 
     def process_weights_after_loading(self, layer) -> None:
+        state = layer.kernel_state
         if self.checkpoint:
             q, scales = layer.qweight.data, layer.scales.data.float()
         else:
             q, scales = quantize_int8(layer.weight.data)
             set_param(layer, "weight", None)
-        layer.int8_key = None
+        state.int8_key = None
         # Our streaming kernel (csrc/quant_linear.cpp) serves up to STREAMING_MAX_ROWS rows on the CPU from its
         # own copy: the plain [out, in] one, or with AVX-512 VNNI panels of 16 rows where its integer path runs
         # (bf16/fp16 activations quantized; other calls would unpack the panels each time).
         kern = streaming_kernels(q.device)
-        layer.q8 = (q.contiguous(), scales.float().contiguous()) if kern else None
+        state.stream = (q.contiguous(), scales.float().contiguous()) if kern else None
         if (kern and self.quantize_activations and kern.has_fast_int6() and q.shape[0] % 16 == 0
                 and q.shape[1] % 32 == 0 and layer.params_dtype in (torch.bfloat16, torch.float16)):
-            layer.q8 = (pack_int8_panels(q), layer.q8[1])
+            state.stream = (pack_int8_panels(q), state.stream[1])
         if self.w8a8_min_rows is not None and use_int8_gemm(layer, layer.params_dtype, q.device):
-            layer.int8_key = int8_gemm.pack(layer, q, scales)
+            state.int8_key = int8_gemm.pack(layer, q, scales)
             if self.w8a8_min_rows <= 1:  # the packed copy serves every batch size: drop the plain one
                 set_param(layer, "qweight", None)
                 set_param(layer, "scales", None)
@@ -133,12 +115,13 @@ class Int8Method(QuantMethod):
         set_param(layer, "scales", scales.to(layer.params_dtype))
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        state = layer.kernel_state
         x2 = flatten(x)
-        if layer.q8 is not None and x2.shape[0] <= getattr(layer, "stream_rows", STREAMING_MAX_ROWS):
-            y = streaming_kernels(x.device).int8_linear(x2, *layer.q8, layer.bias, self.quantize_activations)
+        if state.stream is not None and x2.shape[0] <= state.stream_rows:
+            y = streaming_kernels(x.device).int8_linear(x2, *state.stream, layer.bias, self.quantize_activations)
             return y.view(*x.shape[:-1], layer.out_features)
-        if layer.int8_key is not None and x2.shape[0] >= self.w8a8_min_rows:
-            y = int8_gemm.int8_linear(x2, layer.int8_key, layer.out_features)
+        if state.int8_key is not None and x2.shape[0] >= self.w8a8_min_rows:
+            y = int8_gemm.int8_linear(x2, state.int8_key, layer.out_features)
         elif x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
             y = torch.ops.aten._weight_int8pack_mm(x2, layer.qweight, layer.scales.to(x.dtype))
         else:
@@ -149,19 +132,20 @@ class Int8Method(QuantMethod):
 
     def fused_weights(self, layer) -> tuple[int, list] | None:
         kind = 3 if self.quantize_activations else 1  # fused_decoder.cpp: 3 quantizes bf16/fp16 activations
-        return (kind, [*layer.q8, layer.bias]) if layer.q8 is not None else None
+        return (kind, [*layer.kernel_state.stream, layer.bias]) if layer.kernel_state.stream is not None else None
 
     def dequantize(self, layer) -> torch.Tensor:
         if layer.qweight is None:
-            q, scales = int8_gemm.unpack(layer.int8_key)
+            q, scales = int8_gemm.unpack(layer.kernel_state.int8_key)
             return q.float() * scales[:, None]
         return layer.qweight.float() * layer.scales.float()[:, None]
 
     def bytes_read(self, layer, rows: int) -> int:
+        state = layer.kernel_state
         bias = layer.bias.numel() * layer.bias.element_size() if layer.bias is not None else 0
-        if layer.q8 is not None and rows <= getattr(layer, "stream_rows", STREAMING_MAX_ROWS):
-            return layer.q8[0].numel() + 4 * layer.out_features + bias
-        if layer.int8_key is not None and rows >= self.w8a8_min_rows:
+        if state.stream is not None and rows <= state.stream_rows:
+            return state.stream[0].numel() + 4 * layer.out_features + bias
+        if state.int8_key is not None and rows >= self.w8a8_min_rows:
             return layer.out_features * (layer.in_features + 4) + bias  # the packed int8 weight + fp32 scales
         return layer.qweight.numel() + layer.scales.numel() * layer.scales.element_size() + bias
 

@@ -16,6 +16,9 @@ from leverlab.quant_config import (  # the flag values and their checks: plain d
     check_quantization,
 )
 
+# `leverlab quantize --method int4` writes AWQ's layout under quant_method "int4": such a checkpoint reads as AWQ.
+CHECKPOINT_READERS = {"int4": "awq"}
+
 
 def head_quant_method(method, choice: str = "auto", device=None, hidden: int | None = None,
                       dtype: str | None = None):
@@ -86,7 +89,7 @@ def quant_method_for_checkpoint(qcfg: dict, requested: str | None = None):
     if requested is not None and requested.split("-")[0] not in same:
         raise UnsupportedLever(f"--quantization {requested} does not match this checkpoint, which is "
                                f"pre-quantized with {kind}; drop the flag or pass --quantization {kind}")
-    cls, _ = _cls(kind)
+    cls, _ = _cls(CHECKPOINT_READERS.get(kind, kind))
     method = cls.from_checkpoint_config(qcfg)
     if requested is not None:  # kernel-path options of the flag (int8-w8a8); the checkpoint's group size wins
         for key, value in QUANT_METHODS[requested][2].items():

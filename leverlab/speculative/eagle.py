@@ -134,7 +134,7 @@ class EagleProposer:
                     # more memory: 8 MB on the bundled model, 156 MB on a Qwen3-0.6B). A quantized target head
                     # (int8/int4 targets) is used as it is.
                     drafting = _linear_over(drafting.weight.detach().clone())
-                drafting.quant_method = int8
+                drafting.use(int8)
                 int8.create_weights(drafting)
                 layers.append(drafting)
             finish_quantization(layers)

@@ -158,19 +158,19 @@ def test_int4_interleaved_rows_through_the_fused_step(checkpoint_factory, monkey
     weights as interleaved rows (pack_int4_interleaved, its int6 head pack_int6_interleaved); the fused step and the
     modules agree on them, for 1 and 2 rows, and the bytes a step reads (the layers' and the fused step's own
     count, scripts/profile_step.py's) take in the scales read beside them."""
-    from leverlab.quant.int4 import is_interleaved
+    from leverlab.quant.layouts import is_interleaved
 
     monkeypatch.setenv("LEVERLAB_STREAM_ROWS", "16")
     model = load_model(checkpoint_factory("qwen2", hidden_size=256, intermediate_size=512), "bfloat16",
                        quantization="int4")
     down = model.model.layers[0].mlp.down_proj
-    assert is_interleaved(down.q4[0]) == cpu_kernels.kernels().has_int4_interleaved()
-    panels = down.q4[0].dim() == 3 and not is_interleaved(down.q4[0])  # AVX-512 VNNI: scales inside the panels
-    beside = 0 if panels else down.q4[1].numel() * 2
-    assert down.quant_method.bytes_read(down, 1) == down.q4[0].numel() + beside
+    assert is_interleaved(down.kernel_state.stream[0]) == cpu_kernels.kernels().has_int4_interleaved()
+    panels = down.kernel_state.stream[0].dim() == 3 and not is_interleaved(down.kernel_state.stream[0])  # AVX-512 VNNI: scales inside the panels
+    beside = 0 if panels else down.kernel_state.stream[1].numel() * 2
+    assert down.quant_method.bytes_read(down, 1) == down.kernel_state.stream[0].numel() + beside
     head = model.lm_head  # int6 where its kernel streams (the default for int4 in bf16): interleaved alike
     if head.quant_method.name == "int6":
-        assert (head.q6[0].dim() == 3 and head.q6[0].shape[2] == 192) == cpu_kernels.kernels().has_int4_interleaved()
+        assert (head.kernel_state.stream[0].dim() == 3 and head.kernel_state.stream[0].shape[2] == 192) == cpu_kernels.kernels().has_int4_interleaved()
     expected, got = both_paths(model, torch.bfloat16, [1, 2, 1])
     torch.testing.assert_close(got, expected, atol=3e-2 * expected.abs().max().item(), rtol=0)
     dec = fused.fused_decoder(model, [torch.zeros(1)] * model.config.num_layers, "auto", 1).dec
@@ -230,8 +230,14 @@ def test_quantized_kernels_integer_path_is_the_block_quantized_product(dtype):
     and 2048 with g = 64, 128; in AVX2's, 8 groups of 64 and a partial chunk: 1088 and 1536), and an odd row count
     (the tiles' last single row). int6 with groups of 64 likewise where it streams (has_int6_stream): on AVX2 its
     single stream takes four groups at a time and the rest one by one (384: 4 + 2 groups), row by row."""
-    from leverlab.quant.int4 import dequantize_streaming, pack_int4_streaming, quantize_int4
-    from leverlab.quant.int6 import dequantize_int6_streaming, pack_int6_streaming, quantize_int6
+    from leverlab.quant.layouts import (
+        dequantize_int6_streaming,
+        dequantize_streaming,
+        pack_int4_streaming,
+        pack_int6_streaming,
+        quantize_int4,
+        quantize_int6,
+    )
 
     kern = cpu_kernels.kernels()
     torch.manual_seed(0)
@@ -262,7 +268,12 @@ def test_quantized_kernels_integer_path_is_the_block_quantized_product(dtype):
 def test_int4_kernel_matches_dequantized_weight():
     """float32 activations: exact against the weight the packed form encodes, which is RTN's within fp16's
     rounding of the scales."""
-    from leverlab.quant.int4 import dequantize_int4, dequantize_streaming, pack_int4_streaming, quantize_int4
+    from leverlab.quant.layouts import (
+        dequantize_int4,
+        dequantize_streaming,
+        pack_int4_streaming,
+        quantize_int4,
+    )
 
     kern = cpu_kernels.kernels()
     torch.manual_seed(0)

@@ -14,9 +14,13 @@ N, K = 64 * 40 + 37, 256  # 41 chunks of 64 rows, the last one short
 
 
 def _kernels():
-    from leverlab.quant.int4 import pack_int4_streaming, quantize_int4
-    from leverlab.quant.int6 import pack_int6_streaming, quantize_int6
-    from leverlab.quant.int8 import quantize_int8
+    from leverlab.quant.layouts import (
+        pack_int4_streaming,
+        pack_int6_streaming,
+        quantize_int4,
+        quantize_int6,
+        quantize_int8,
+    )
 
     torch.manual_seed(0)
     w = torch.randn(N, K) * 0.05

@@ -64,9 +64,9 @@ def test_quantized_layers_batch_on_amx_tiles_where_they_run():
 
     for name in ("int8", "int4"):
         layer, _, b = quantized_linear(name, torch.bfloat16)
-        w = int8_gemm.packed(layer.int8_key)
+        w = int8_gemm.packed(layer.kernel_state.int8_key)
         assert isinstance(w, int8_gemm.AmxWeight)
-        q, s = int8_gemm.unpack(layer.int8_key)
+        q, s = int8_gemm.unpack(layer.kernel_state.int8_key)
         x = torch.randn(40, 256).to(torch.bfloat16)
         assert torch.equal(layer(x), reference(x, q, s) + layer.bias)
 

@@ -67,7 +67,7 @@ def test_dequantized_weight_is_close_to_the_original(name):
 
 def test_int4_kernel_holds_exactly_the_rtn_weight():
     """RTN's q and z, and its scales rounded once to fp16 (as the kernel stores them)."""
-    from leverlab.quant.int4 import dequantize_int4, quantize_int4
+    from leverlab.quant.layouts import dequantize_int4, quantize_int4
 
     layer, w, _ = quantized_linear("int4-g32")
     q, s, z = quantize_int4(w, 32)
@@ -106,8 +106,7 @@ def test_int6_layout_puts_each_weights_high_bits_where_the_kernel_reads_them():
     byte t holds the high 2 bits of the kernel's low-vector lanes t, 32 + t and high-vector lanes t, 32 + t (lane
     16 j + i: weight 32 j + i, or 32 j + 16 + i). Checked weight by weight against that rule, and unpacked back
     exactly."""
-    from leverlab.quant.int4 import pack_int4_streaming
-    from leverlab.quant.int6 import pack_int6_streaming, unpack_int6_streaming
+    from leverlab.quant.layouts import pack_int4_streaming, pack_int6_streaming, unpack_int6_streaming
 
     torch.manual_seed(1)
     q = torch.randint(0, 64, (3, 256), dtype=torch.uint8)
@@ -132,7 +131,7 @@ def test_int8_gemm_quantizes_activations_per_row():
     layer, w, b = quantized_linear("int8", torch.bfloat16)
     # 8-bit activations: ~1/255 of a row's scale; 7-bit where the CPU lacks VNNI (int8_gemm.REDUCE_RANGE): ~1/127
     bound = 4e-2 if int8_gemm.REDUCE_RANGE else 2e-2
-    assert layer.int8_key is not None and layer.qweight is None  # one packed copy serves every batch size
+    assert layer.kernel_state.int8_key is not None and layer.qweight is None  # one packed copy serves every batch size
     ref_w = layer.quant_method.dequantize(layer)
     for m in (1, 16, 100):
         x = torch.randn(m, 256).to(torch.bfloat16)
@@ -154,22 +153,22 @@ def test_int8_few_rows_take_the_streaming_kernel(name):
     if cpu_kernels.kernels() is not None:
         quantize_x = name == "int8"
         assert layer.quant_method.quantize_activations == quantize_x
-        assert torch.equal(layer(x), cpu_kernels.kernels().int8_linear(x, *layer.q8, layer.bias, quantize_x))
+        assert torch.equal(layer(x), cpu_kernels.kernels().int8_linear(x, *layer.kernel_state.stream, layer.bias, quantize_x))
     elif name == "int8-woq":
-        assert layer.qweight is not None and layer.int8_key is not None
+        assert layer.qweight is not None and layer.kernel_state.int8_key is not None
         expected = torch.ops.aten._weight_int8pack_mm(x[:1], layer.qweight, layer.scales) + b.to(torch.bfloat16)
         assert torch.equal(layer(x[:1]), expected)
 
 
 def test_int4_batched_path_uses_an_int8_copy_of_the_int4_weight():
     from leverlab.quant import int8_gemm
-    from leverlab.quant.int8 import STREAMING_MAX_ROWS
+    from leverlab.quant.base import STREAMING_MAX_ROWS
 
     layer, w, b = quantized_linear("int4-g32", torch.bfloat16)
-    if layer.q4 is not None:  # streaming up to 16 rows, the int8 copy past that: aten's int4 layout is not kept
+    if layer.kernel_state.stream is not None:  # streaming up to 16 rows, the int8 copy past that: aten's int4 layout is not kept
         assert layer.qweight is None and layer.scales_and_zeros is None
     w4 = layer.quant_method.dequantize(layer)
-    q8, s8 = int8_gemm.unpack(layer.int8_key)
+    q8, s8 = int8_gemm.unpack(layer.kernel_state.int8_key)
     # the copy re-quantizes the int4 weight: within half an int8 step per channel (+ the bf16 rounding of w4,
     # which the kernel's bf16 scales and zeros carry and the copy, made in float32, does not)
     copy = q8.float() * s8[:, None]
@@ -194,17 +193,17 @@ def test_autotune_times_both_kernels_and_either_gives_the_weight(name, monkeypat
     if not autotune.eligible(layer):
         pytest.skip("no streaming kernel or no fbgemm here: nothing to choose between")
     autotune.tune([layer])
-    assert 0 <= layer.stream_rows <= 16 and sorted(layer.row_times) == list(autotune.ROWS)
-    assert all(t > 0 for pair in layer.row_times.values() for t in pair)
+    assert 0 <= layer.kernel_state.stream_rows <= 16 and sorted(layer.kernel_state.row_times) == list(autotune.ROWS)
+    assert all(t > 0 for pair in layer.kernel_state.row_times.values() for t in pair)
     ref_w = layer.quant_method.dequantize(layer)
     x = torch.randn(16, 256).to(torch.bfloat16)
     expected = x.float() @ ref_w.t() + b.to(torch.bfloat16).float()
     for rows in (0, 16):  # everything on fbgemm's GEMM (past one row), everything streamed
-        layer.stream_rows = rows
+        layer.kernel_state.stream_rows = rows
         assert ((layer(x).float() - expected).abs() <= 5e-2 * expected.abs().amax(1, keepdim=True)).all()
     monkeypatch.setenv("LEVERLAB_STREAM_ROWS", "2")
     autotune.tune([layer])
-    assert layer.stream_rows == 2 and autotune.fused_rows([layer], 1) == 2
+    assert layer.kernel_state.stream_rows == 2 and autotune.fused_rows([layer], 1) == 2
 
 
 
@@ -228,7 +227,7 @@ def test_int4_streaming_kernel_paths_agree(k, g):
     arithmetic, summed in another order: at most one bf16 step apart), and the single stream is the dequantized
     weight's product to within the activations' quantization."""
     from leverlab.kernels import cpu_kernels
-    from leverlab.quant.int4 import dequantize_streaming, pack_int4_streaming, quantize_int4
+    from leverlab.quant.layouts import dequantize_streaming, pack_int4_streaming, quantize_int4
 
     kern = cpu_kernels.kernels()
     if kern is None:
@@ -247,7 +246,7 @@ def test_int4_interleaved_rows_are_the_row_layout_in_another_order(k):
     float32 activations and rows past the streaming kernel take the row layout's paths exactly
     (_interleaved_agree_with_rows). Malformed weights get a clear error."""
     from leverlab.kernels import cpu_kernels
-    from leverlab.quant.int4 import (
+    from leverlab.quant.layouts import (
         dequantize_streaming,
         interleaved_to_rows,
         pack_int4_interleaved,
@@ -318,7 +317,7 @@ def test_int4_panels_are_the_row_layout_in_another_order(k, g):
     row alone gives (integer sums per group, one float order whatever the batch); float32 activations and rows
     past the streaming kernel take the row layout's paths exactly."""
     from leverlab.kernels import cpu_kernels
-    from leverlab.quant.int4 import (
+    from leverlab.quant.layouts import (
         dequantize_streaming,
         pack_int4_panels,
         pack_int4_streaming,
@@ -350,7 +349,7 @@ def test_int6_panels_are_the_row_layout_in_another_order(k, g):
     results to one bf16 step and each output row bit for bit what that row alone gives; float32 activations and
     17 rows take the rows' paths exactly."""
     from leverlab.kernels import cpu_kernels
-    from leverlab.quant.int6 import (
+    from leverlab.quant.layouts import (
         pack_int6_panels,
         pack_int6_streaming,
         quantize_int6,
@@ -377,7 +376,7 @@ def test_int8_panels_are_the_row_layout_in_another_order():
     the row layout's results to one output step, each output row bit for bit what that row alone gives; the
     other paths (weight-only, float32, more rows than stream) are the row layout's, exactly."""
     from leverlab.kernels import cpu_kernels
-    from leverlab.quant.int8 import int8_panels_to_rows, pack_int8_panels
+    from leverlab.quant.layouts import int8_panels_to_rows, pack_int8_panels
 
     kern = cpu_kernels.kernels()
     if kern is None:
@@ -410,30 +409,30 @@ def test_quantized_layers_stream_panels_with_avx512_vnni():
     layers whole 256-channel steps wide: interleaved rows); weight-only int8 and float32 models keep rows. Their
     outputs are the dequantized weight's product either way."""
     from leverlab.kernels import cpu_kernels
-    from leverlab.quant.int4 import is_interleaved
+    from leverlab.quant.layouts import is_interleaved
 
     kern = cpu_kernels.kernels()
     if kern is None:
         pytest.skip("no streaming kernels here")
     layer8, w, b = quantized_linear("int8", torch.bfloat16)
     woq, _, _ = quantized_linear("int8-woq", torch.bfloat16)
-    assert layer8.q8[0].dim() == (3 if kern.has_fast_int6() else 2) and woq.q8[0].dim() == 2  # (weight-only: rows)
+    assert layer8.kernel_state.stream[0].dim() == (3 if kern.has_fast_int6() else 2) and woq.kernel_state.stream[0].dim() == 2  # (weight-only: rows)
     x = torch.randn(3, layer8.in_features).to(torch.bfloat16)
     expected = x.float() @ layer8.quant_method.dequantize(layer8).t() + b.to(torch.bfloat16).float()
-    layer8.stream_rows = 16
+    layer8.kernel_state.stream_rows = 16
     assert ((layer8(x).float() - expected).abs() <= 3e-2 * expected.abs().amax(1, keepdim=True)).all()
     layer6, _, _ = quantized_linear("int6", torch.bfloat16)
-    assert layer6.q6[0].dim() == (3 if kern.has_fast_int6() or kern.has_int4_interleaved() else 2)
+    assert layer6.kernel_state.stream[0].dim() == (3 if kern.has_fast_int6() or kern.has_int4_interleaved() else 2)
     f32, _, _ = quantized_linear("int4", torch.float32)
-    assert f32.q4[0].dim() == 2  # float32 activations never take the panels' integer path: rows
+    assert f32.kernel_state.stream[0].dim() == 2  # float32 activations never take the panels' integer path: rows
     layer, w, b = quantized_linear("int4", torch.bfloat16)
     panels = kern.has_fast_int6() and layer.out_features % 16 == 0
     interleaved = not panels and kern.has_int4_interleaved() and layer.in_features % 256 == 0  # (AVX2, groups of 64)
-    assert layer.q4[0].dim() == (3 if panels or interleaved else 2) and is_interleaved(layer.q4[0]) == interleaved
+    assert layer.kernel_state.stream[0].dim() == (3 if panels or interleaved else 2) and is_interleaved(layer.kernel_state.stream[0]) == interleaved
     w4 = layer.quant_method.dequantize(layer)
     x = torch.randn(3, layer.in_features).to(torch.bfloat16)
     expected = x.float() @ w4.t() + b.to(torch.bfloat16).float()
-    layer.stream_rows = 16
+    layer.kernel_state.stream_rows = 16
     assert ((layer(x).float() - expected).abs() <= 3e-2 * expected.abs().amax(1, keepdim=True)).all()
 
 
@@ -442,7 +441,7 @@ def test_int6_streaming_kernel_paths_agree(k, g):
     """As the int4 test above, for int6 (quant/int6.py): with AVX-512 VNNI the single stream and the quad tiles
     (every row count from 2), elsewhere the plain float loop; float32 rows are the dequantized weight's product."""
     from leverlab.kernels import cpu_kernels
-    from leverlab.quant.int6 import dequantize_int6_streaming, pack_int6_streaming, quantize_int6
+    from leverlab.quant.layouts import dequantize_int6_streaming, pack_int6_streaming, quantize_int6
 
     kern = cpu_kernels.kernels()
     if kern is None:
@@ -463,7 +462,7 @@ def test_int6_interleaved_rows_are_the_row_layout_in_another_order(k):
     for float32 activations and rows past the streaming kernel, exactly; with bf16 activations its AVX2 single
     stream gives the row layout's results to one bf16 step. Malformed weights get a clear error."""
     from leverlab.kernels import cpu_kernels
-    from leverlab.quant.int6 import (
+    from leverlab.quant.layouts import (
         dequantize_int6_streaming,
         int6_interleaved_to_q,
         pack_int6_interleaved,
@@ -514,7 +513,7 @@ def test_int8_streaming_kernel_paths_agree(k):
     block count is even) agree row by row with the single stream, which is the dequantized weight's product to
     within the activations' quantization."""
     from leverlab.kernels import cpu_kernels
-    from leverlab.quant.int8 import quantize_int8
+    from leverlab.quant.layouts import quantize_int8
 
     kern = cpu_kernels.kernels()
     if kern is None:
