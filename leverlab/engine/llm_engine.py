@@ -23,7 +23,7 @@ from leverlab.models.config import ModelConfig
 from leverlab.outputs import RequestMetrics, RequestOutput
 from leverlab.sampling_params import SamplingParams
 from leverlab.speculative.decoder import SpecDecoder
-from leverlab.speculative.eagle_head import aux_layers_for
+from leverlab.speculative.eagle3_format import aux_layers_for
 from leverlab.speculative_config import SpeculativeConfig
 from leverlab.worker.executor import make_executor
 from leverlab.worker.node import run_node

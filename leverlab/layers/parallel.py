@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leverlab.distributed import comm
-from leverlab.distributed.parallel_state import TPState, current, split
+from leverlab.distributed.parallel_state import TPState, current, kv_heads_split, split
 from leverlab.errors import UnsupportedLever
 from leverlab.layers.linear import Linear, packed
 from leverlab.quant.base import DEFAULT_LAYOUTS
@@ -122,8 +122,6 @@ def column_linear(in_features: int, sizes: dict[str, int], bias: bool = False) -
 
 def qkv_linear(hidden: int, nh: int, nkv: int, hd: int, bias: bool = False) -> ColumnParallelLinear:
     """The fused q/k/v projection: this rank's query heads and the KV heads they read (parallel_state)."""
-    from leverlab.distributed.parallel_state import kv_heads_split
-
     tp = current()
     q0, nq = split(nh, tp)
     k0, nk = kv_heads_split(nh, nkv, tp)

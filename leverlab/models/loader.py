@@ -26,7 +26,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -58,7 +58,7 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.de
     check_model(cfg, tp_size)
     method = resolve_quant_method(path, quantization)
     head = head_quant_method(method, lm_head, device=device, hidden=cfg.hidden_size, dtype=dtype)
-    with _default_dtype(DTYPES[dtype]), torch.device(device), use_tp(tp):
+    with default_dtype(DTYPES[dtype]), torch.device(device), use_tp(tp):
         model = CausalLM(cfg)
     try:
         quantized = attach_quant_method(model, method, head)
@@ -142,3 +142,16 @@ def finish_quantization(layers: list[nn.Module]) -> None:
     """After every checkpoint tensor is in: convert each quantized layer to its kernel layout."""
     for layer in layers:
         layer.quant_method.process_weights_after_loading(layer)
+
+
+def load_embedding_and_lm_head(path, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's full embedding table and output head [V, H] from its checkpoint (tied: one tensor)."""
+    path = Path(path)
+    found: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in ("model.embed_tokens.weight", "lm_head.weight"):
+                if name in f.keys():
+                    found[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    embed = found["model.embed_tokens.weight"]
+    return embed, found.get("lm_head.weight", embed)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from leverlab.kernels import cpu_kernels
 from leverlab.quant import int8_gemm
 from leverlab.quant.base import (
     QuantMethod,
@@ -40,8 +41,6 @@ def streaming_kernels(device: torch.device):
     """The C++ kernels' module when the streaming int8/int4 kernels can run on `device`, else None."""
     if device.type != "cpu":
         return None
-    from leverlab.kernels import cpu_kernels
-
     return cpu_kernels.kernels()
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from leverlab import env
+from leverlab.kernels import cpu_kernels
 from leverlab.kernels.custom_op import custom_op
 
 FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
@@ -51,9 +52,7 @@ def amx_kernels():
     """Our CPU kernels where they run AMX int8 here (built for it, and the OS grants the tiles), else None."""
     if env.flag("LEVERLAB_NO_AMX"):
         return None
-    from leverlab.kernels.cpu_kernels import kernels
-
-    k = kernels()
+    k = cpu_kernels.kernels()
     return k if k is not None and k.amx_int8_available() else None
 
 
@@ -119,10 +118,8 @@ def int8_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
     """x [M, K] (any float dtype) -> x W^T [M, N] in x's dtype, activations quantized per row."""
     w = _PACKED[key]
     if isinstance(w, AmxWeight):  # packed so only where the kernels run AMX
-        from leverlab.kernels.cpu_kernels import kernels
-
         xs = x if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else x.float()  # the kernel's types
-        return kernels().amx_int8_linear(xs, w.packed, w.scales).to(x.dtype)
+        return cpu_kernels.kernels().amx_int8_linear(xs, w.packed, w.scales).to(x.dtype)
     xf = x.float()
     r = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)  # [M, 1]
     y = torch.ops.quantized.linear_dynamic(xf / r, w, REDUCE_RANGE)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 
 from leverlab.errors import UnsupportedLever
+from leverlab.kernels import cpu_kernels
 from leverlab.quant_config import (  # the flag values and their checks: plain data (config validates with them)
     CHECKPOINT_ONLY,
     QUANT_METHODS,
@@ -49,8 +50,6 @@ def _fast_int6(device, hidden: int | None, dtype: str | None) -> bool:
         return False
     if dtype not in ("bfloat16", "float16"):
         return False
-    from leverlab.kernels import cpu_kernels
-
     kern = cpu_kernels.kernels()
     return kern is not None and kern.has_int6_stream()
 

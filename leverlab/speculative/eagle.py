@@ -24,7 +24,6 @@ the pending chunks are in position order, each a run of consecutive positions.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +36,18 @@ from leverlab.errors import UnsupportedLever
 from leverlab.kernels import cpu_kernels
 from leverlab.layers.attention import AttentionMetadata, forward_context
 from leverlab.layers.linear import Linear
-from leverlab.models.loader import DTYPES, attach_quant_method, finish_quantization
+from leverlab.models.config import ModelConfig
+from leverlab.models.loader import (
+    DTYPES,
+    attach_quant_method,
+    finish_quantization,
+    load_embedding_and_lm_head,
+)
 from leverlab.quant import kv_cache as kv_quant
 from leverlab.quant.registry import get_quant_method
 from leverlab.speculative.base import Draft
+from leverlab.speculative.eagle3_format import load_head
 from leverlab.speculative.eagle_fused import FusedHead, fused_head
-from leverlab.speculative.eagle_head import load_head
 from leverlab.worker.sampler import probabilities
 
 
@@ -73,8 +78,6 @@ class EagleProposer:
 
     @classmethod
     def from_config(cls, spec, engine_config, max_model_len: int) -> EagleProposer:
-        from leverlab.models.config import ModelConfig
-
         layers = ModelConfig.from_folder(engine_config.model or default_model_path()).num_layers
         head = load_head(spec.model, DTYPES[engine_config.dtype], env.pick_device(engine_config.device), layers)
         return cls(head, spec.model, engine_config, spec.quantization)
@@ -302,23 +305,6 @@ def _linear_over(weight: torch.Tensor) -> Linear:
         lin = Linear(weight.shape[1], weight.shape[0])
     lin.weight = torch.nn.Parameter(weight, requires_grad=False)
     return lin
-
-
-def load_embedding_and_lm_head(path, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's full embedding table and output head [V, H] from its checkpoint (tied: one tensor)."""
-    from safetensors import safe_open
-
-    from leverlab.models.loader import checkpoint_files
-
-    path = Path(path)
-    found: dict[str, torch.Tensor] = {}
-    for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in ("model.embed_tokens.weight", "lm_head.weight"):
-                if name in f.keys():
-                    found[name] = f.get_tensor(name).to(device=device, dtype=dtype)
-    embed = found["model.embed_tokens.weight"]
-    return embed, found.get("lm_head.weight", embed)
 
 
 def _tokens(seq: Sequence, start: int, end: int) -> list[int]:

@@ -1,4 +1,8 @@
-"""EAGLE-3 heads as the rest of the world writes them: the `speculators` format (what vLLM loads, e.g.
+"""EAGLE head folders in every format we read: ours (eagle_head.py), and EAGLE-3 heads as the rest of the world
+writes them; `load_head` and `head_config` read any of them, `aux_layers_for` tells the engine which target
+layers a configured head reads.
+
+EAGLE-3 heads as the rest of the world writes them: the `speculators` format (what vLLM loads, e.g.
 RedHatAI's published speculators) and the original EAGLE-3 release; read into our EagleHead, and our heads
 exported to the `speculators` format so the same head runs in vLLM.
 
@@ -30,9 +34,14 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
+from leverlab.config import default_model_path
 from leverlab.errors import UnsupportedLever
-from leverlab.speculative.eagle_head import ARCHITECTURE, EagleConfig, EagleHead
+from leverlab.models.config import ModelConfig
+from leverlab.models.loader import load_embedding_and_lm_head
+from leverlab.speculative.eagle_head import ARCHITECTURE, EagleConfig, EagleHead, build_head
+from leverlab.speculative_config import EAGLE_METHODS, SpeculativeConfig
 
 LAYER = "layers.0."
 # Our parameter name -> theirs (after the layer prefix is normalized to "layers.0.").
@@ -130,8 +139,6 @@ def read_foreign_config(path: str | Path, target_num_layers: int | None) -> Eagl
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -229,9 +236,6 @@ def export_speculators(head: EagleHead, out: str | Path, target_path: str | Path
     it (full vocabulary: no d2t/t2d, as speculators writes them only for a reduced one)."""
     from safetensors.torch import save_file
 
-    from leverlab.models.config import ModelConfig
-    from leverlab.speculative.eagle import load_embedding_and_lm_head
-
     cfg = head.config
     out, target_path = Path(out), Path(target_path)
     target = ModelConfig.from_folder(target_path)
@@ -310,8 +314,36 @@ def speculators_export_of(head_dir: str | Path, target_path: str | Path) -> Path
     src = head_dir / "model.safetensors"
     done = out / "config.json"
     if not done.is_file() or done.stat().st_mtime < src.stat().st_mtime:
-        from leverlab.speculative.eagle_head import load_head
-
         head = load_head(head_dir, torch.float32)
         export_speculators(head, out, target_path, dtype=head.config.dtype)
     return out
+
+
+def load_head(path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu",
+              target_num_layers: int | None = None) -> EagleHead:
+    """Any supported head folder: ours, `speculators` (eagle3) or the original EAGLE-3 release.
+    target_num_layers: for heads that do not name their aux layers (EAGLE-3's default depends on it)."""
+    if detect_format(path) != "leverlab":
+        cfg, state = read_foreign(path, target_num_layers)
+    else:
+        cfg, state = EagleConfig.from_folder(path), load_file(str(Path(path) / "model.safetensors"))
+    return build_head(cfg, state, dtype, path).to(device=device).eval()
+
+
+def head_config(path: str | Path, target_num_layers: int | None = None) -> EagleConfig:
+    if detect_format(path) != "leverlab":
+        return read_foreign_config(path, target_num_layers)
+    return EagleConfig.from_folder(path)
+
+
+def aux_layers_for(engine_config) -> tuple[int, ...]:
+    """Target layers whose outputs the model must return next to its hidden states: the EAGLE head's aux
+    layers when eagle speculation is configured, else none (the plain forward returns hidden only)."""
+    raw = engine_config.speculative_config
+    if not raw:
+        return ()
+    spec = SpeculativeConfig.from_dict(raw)
+    if spec.method not in EAGLE_METHODS:
+        return ()
+    target = ModelConfig.from_folder(engine_config.model or default_model_path())
+    return head_config(spec.model, target.num_layers).aux_layer_ids

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from leverlab.errors import UnsupportedLever
@@ -37,6 +37,7 @@ from leverlab.layers.linear import Linear, packed
 from leverlab.layers.norm import RMSNorm
 from leverlab.layers.rotary import Rotary
 from leverlab.models.config import ModelConfig
+from leverlab.models.loader import default_dtype
 
 ARCHITECTURE = "LeverLabEagleHead"
 
@@ -241,48 +242,9 @@ def save_head(head: EagleHead, path: str | Path, dtype: str = "bfloat16") -> Non
 
 def build_head(cfg: EagleConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, path) -> EagleHead:
     """The head from its config and a state dict in our names (speculative/eagle3_format.py converts theirs)."""
-    from leverlab.models.loader import _default_dtype
-
-    with _default_dtype(dtype):  # parameters in the engine's dtype; rotary tables stay float32
+    with default_dtype(dtype):  # parameters in the engine's dtype; rotary tables stay float32
         head = EagleHead(cfg)
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise UnsupportedLever(f"EAGLE head {path}: missing weights {missing[:3]}, unexpected {unexpected[:3]}")
     return head
-
-
-def load_head(path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu",
-              target_num_layers: int | None = None) -> EagleHead:
-    """Any supported head folder: ours, `speculators` (eagle3) or the original EAGLE-3 release.
-    target_num_layers: for heads that do not name their aux layers (EAGLE-3's default depends on it)."""
-    from leverlab.speculative.eagle3_format import detect_format, read_foreign
-
-    if detect_format(path) != "leverlab":
-        cfg, state = read_foreign(path, target_num_layers)
-    else:
-        cfg, state = EagleConfig.from_folder(path), load_file(str(Path(path) / "model.safetensors"))
-    return build_head(cfg, state, dtype, path).to(device=device).eval()
-
-
-def head_config(path: str | Path, target_num_layers: int | None = None) -> EagleConfig:
-    from leverlab.speculative.eagle3_format import detect_format, read_foreign_config
-
-    if detect_format(path) != "leverlab":
-        return read_foreign_config(path, target_num_layers)
-    return EagleConfig.from_folder(path)
-
-
-def aux_layers_for(engine_config) -> tuple[int, ...]:
-    """Target layers whose outputs the model must return next to its hidden states: the EAGLE head's aux
-    layers when eagle speculation is configured, else none (the plain forward returns hidden only)."""
-    raw = engine_config.speculative_config
-    if not raw:
-        return ()
-    from leverlab.config import default_model_path
-    from leverlab.speculative_config import EAGLE_METHODS, SpeculativeConfig
-
-    spec = SpeculativeConfig.from_dict(raw)
-    if spec.method not in EAGLE_METHODS:
-        return ()
-    target = ModelConfig.from_folder(engine_config.model or default_model_path())
-    return head_config(spec.model, target.num_layers).aux_layer_ids

@@ -202,8 +202,7 @@ def _export(out: Path, target: str, args: argparse.Namespace) -> int:
     import torch
 
     from leverlab.models.config import ModelConfig
-    from leverlab.speculative.eagle3_format import export_speculators, vllm_problems
-    from leverlab.speculative.eagle_head import load_head
+    from leverlab.speculative.eagle3_format import export_speculators, load_head, vllm_problems
 
     if not (out / "config.json").is_file():
         print(f"train-eagle: no head in {out} to export", file=sys.stderr)

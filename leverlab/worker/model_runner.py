@@ -52,7 +52,7 @@ class ModelRunner:
                  device: torch.device | None = None, aux_layers: tuple[int, ...] = ()):
         """tp: this rank's tensor-parallel state (None: one rank); the model and KV cache hold its share.
         aux_layers: the layers whose outputs the forward also returns (EAGLE's features: the engine asks the
-        speculative package, speculative/eagle_head.py: aux_layers_for); () for none."""
+        speculative package, speculative/eagle3_format.py: aux_layers_for); () for none."""
         self.config = config
         self.device = device or env.pick_device(config.device)
         self.dtype = DTYPES[config.dtype]
@@ -211,10 +211,19 @@ class ModelRunner:
                                  seq_lens=flat[3 * nt:3 * nt + nb], query_start_loc=flat[3 * nt + nb:],
                                  max_query_len=max(batch.num_new_tokens))
         if fused:
-            hidden = self.fused(ids_t, pos_t, meta)  # [T, H], one C++ call
+            return self.forward_step(ids_t, pos_t, meta, fused=True)
+        # Fresh tensors, not views at varying offsets: a compiled graph would guard on the offset.
+        return self.forward_step(self._i64(ids), self._i64(positions), meta, fused=False)
+
+    def forward_step(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                     fused: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder over one step's tensors: the one entry every rank runs (rank 0 from _forward, the other
+        tensor-parallel ranks from worker/tp_worker.py with rank 0's inputs). fused: the fused forward without its
+        head (one C++ call), else the module path. Returns (hidden [T, H], EAGLE's aux [T, A * H] or None)."""
+        if fused:
+            hidden = self.fused(ids, positions, meta)  # [T, H], one C++ call
             self.fused_steps += 1
         else:
             with forward_context(meta, self.kv_caches, self.kv_scales):
-                # Fresh tensors, not views at varying offsets: a compiled graph would guard on the offset.
-                hidden = self.forward(self._i64(ids), self._i64(positions))  # [T, H]
+                hidden = self.forward(ids, positions)  # [T, H]
         return hidden if isinstance(hidden, tuple) else (hidden, None)  # EAGLE: (hidden, aux [T, A*H])

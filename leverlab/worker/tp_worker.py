@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from leverlab.config import EngineConfig
 from leverlab.distributed import groups, protocol
-from leverlab.layers.attention import AttentionMetadata, forward_context, max_query_len_of
+from leverlab.layers.attention import AttentionMetadata, max_query_len_of
 from leverlab.worker.model_runner import ModelRunner
 from leverlab.worker.parent_watch import exit_with_parent
 
@@ -69,7 +69,7 @@ def worker_main(args: WorkerArgs) -> None:
 
 
 @torch.inference_mode()
-def serve(runner, device: torch.device) -> None:
+def serve(runner: ModelRunner, device: torch.device) -> None:
     header = torch.zeros(protocol.HEADER_LEN, dtype=torch.int64)
     while True:
         dist.broadcast(header, 0)  # idle here between steps, for as long as it takes (control group)
@@ -80,13 +80,11 @@ def serve(runner, device: torch.device) -> None:
         run_step(runner, protocol.unpack(header, payload, device))
 
 
-def run_step(runner, step: protocol.StepInputs) -> None:
-    """The forward of ModelRunner.execute with rank 0's inputs; logits go to rank 0 in the head's gather."""
+def run_step(runner: ModelRunner, step: protocol.StepInputs) -> None:
+    """Rank 0's step on this rank's slice: the runner's one forward entry with rank 0's inputs; logits go to
+    rank 0 in the head's gather."""
     qsl = step.query_start_loc
     meta = AttentionMetadata(step.slots, step.block_tables, step.seq_lens, qsl, max_query_len_of(qsl))
-    with forward_context(meta, runner.kv_caches, runner.kv_scales):
-        hidden = runner.forward(step.ids, step.positions)
-    if isinstance(hidden, tuple):  # with EAGLE's aux layers: (hidden, aux)
-        hidden = hidden[0]
+    hidden, _ = runner.forward_step(step.ids, step.positions, meta)
     if step.rows.numel():
         runner.model.compute_logits(hidden[step.rows])

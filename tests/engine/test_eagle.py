@@ -11,7 +11,7 @@ import torch
 from leverlab import LLM, SamplingParams
 from leverlab.cli import main
 from leverlab.models.config import ModelConfig
-from leverlab.speculative.eagle_head import load_head
+from leverlab.speculative.eagle3_format import load_head
 from tests.checkpoints import make_eagle_head as random_head
 from tests.engine.helpers import assert_all_free
 
@@ -264,7 +264,7 @@ def test_compiled_forward_with_eagle(target, trained_head, plain, tmp_path, monk
 
 def test_own_embedding_and_lm_head_copy_matches_the_shared_ones(checkpoint_factory, tmp_path):
     """At tensor-parallel size > 1 the head reads its own full copy (the target's are sharded)."""
-    from leverlab.speculative.eagle import load_embedding_and_lm_head
+    from leverlab.models.loader import load_embedding_and_lm_head
 
     for arch in ("qwen3", "llama"):  # tied and untied output heads
         path = checkpoint_factory(arch)

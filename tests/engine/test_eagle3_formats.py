@@ -10,8 +10,7 @@ import torch
 
 from leverlab import LLM, SamplingParams
 from leverlab.errors import UnsupportedLever
-from leverlab.speculative.eagle3_format import export_speculators, read_foreign_config
-from leverlab.speculative.eagle_head import load_head
+from leverlab.speculative.eagle3_format import export_speculators, load_head, read_foreign_config
 from tests.checkpoints import make_eagle_head, make_speculators_eagle3
 from tests.engine.helpers import assert_all_free
 
