@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=1000)
-    # 128: at 32 (until session 27) a round's decode lasted ~0.4 s and one noisy spell decided it (int8 over bf16
+    # 128: at 32 a round's decode lasted ~0.4 s and one noisy spell decided it (int8 over bf16
     # 0.90x-1.27x round by round in two runs); at 128, 1.09x-1.24x.
     ap.add_argument("--decode-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)

@@ -755,7 +755,7 @@ def run_rounds(args, ours: dict, peers: dict, rounds: list, work: Path) -> dict:
             prompts = {"decode": [rand(args.prompt_len)], "prefill": [rand(args.prefill_len)],
                        "decode16": [rand(args.prompt_len) for _ in range(args.batch)]}
             # The bandwidth beside each precision's block: on a shared machine it moved 50 <-> 78 GB/s within one
-            # run (session 14), so a share of the start's figure alone says more about the neighbours than us.
+            # run, so a share of the start's figure alone says more about the neighbours than us.
             steal = StealMeter()  # and the CPU time the host gave to other guests during the block (study/steal.py)
             bw = measure_bandwidth(args.threads, gib=0.5, reps=3)
             rounds.append({"round": rnd, "precision": p, "measurement": "bandwidth", "gb_s": bw})

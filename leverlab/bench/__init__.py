@@ -6,6 +6,9 @@
 
 Light to import: no torch, no matplotlib (loaded only when plots are written), no transformers (loaded
 only when a workload needs token counts).
+
+A tool over HTTP: may import the plain types, and models (peer_vllm writes a quantized checkpoint for vLLM);
+study builds on it.
 """
 
 from leverlab.bench.config import BenchConfig, BenchResult

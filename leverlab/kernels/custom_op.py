@@ -3,7 +3,7 @@
 A compiled graph must see paged attention, the tensor-parallel all-reduce and fbgemm's int8 GEMM as opaque ops
 (torch.library.custom_op). Called eagerly through the op, though, each call pays the op's Python dispatch, and
 the first one imports torch._dynamo (the op's implementation is wrapped in a lazy dynamo.disable): 1.8 s of
-every eager server start, in the middle of loading the model (measured, session 9). So eager calls go straight to
+every eager server start, in the middle of loading the model (measured). So eager calls go straight to
 the function, and only a graph being traced gets the op.
 """
 

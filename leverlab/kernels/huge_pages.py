@@ -4,7 +4,7 @@ Why: a decode step streams every weight once, a few hundred MB for a 0.6B model,
 page walk per 4 KB read (~100,000 a step for the int4 0.6B shape; the TLB covers a few MB). torch's allocator asks
 for huge pages only when THP_MEM_ALLOC_ENABLE is set, and then only for allocations of 2 MB or more, which leaves
 out the smaller matrices. Measured in one process, the same int4 0.6B-shaped weights (int4 body, int8 head; one row,
-the engine's kernels) in torch's 4 KB pages and in one madvise(MADV_HUGEPAGE) arena, alternating (session 11):
+the engine's kernels) in torch's 4 KB pages and in one madvise(MADV_HUGEPAGE) arena, alternating:
 two threads 23.4 -> 21.0 ms and 24.3 -> 20.5 ms per pass (median), one thread 40.5 -> 38.1 ms.
 
 How: one anonymous mapping per model, madvised for huge pages and started at a 2 MB boundary; each weight is copied

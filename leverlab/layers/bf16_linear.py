@@ -12,7 +12,7 @@ groups of 8 over pairs of weight rows, 1.2x oneDNN's GEMM at 16 rows and level w
 On CPUs with AMX (Sapphire Rapids and later) the same rows go to AMX tiles instead (csrc/amx_bf16.cpp: 1..32 rows,
 W read in place): there vdpbf16ps computes at ~45 G multiply-adds a second on two cores, so 16 rows computed for
 about three times as long as the weights took to read, and tiles keep every row count up to 32 a memory stream
-(session 42: batch-16 bf16 decode of the Qwen3-0.6B shape 2.4x, a single stream 1.14x). LEVERLAB_NO_AMX=1 keeps
+(measured: batch-16 bf16 decode of the Qwen3-0.6B shape 2.4x, a single stream 1.14x). LEVERLAB_NO_AMX=1 keeps
 the streaming kernel.
 
 The kernel is reached through one op registered in C++, `torch.ops.leverlab_cpu.linear_bf16`, which picks

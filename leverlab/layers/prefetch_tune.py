@@ -3,28 +3,28 @@
 The kernels read a decode step's weights as one stream and prefetch ahead of it in one of four ways
 (csrc/stream_hint.h), and which is fastest depends on the machine and on whether the model fits in its caches:
   nta  non-temporal, 1 KB ahead (the int4/int6 panels 4 KB: csrc/quant_linear.cpp): keeps the stream from
-       evicting the rest of the step's working set; 8-20% faster per step on a Zen 3 (sessions 5-7). The default
+       evicting the rest of the step's working set; 8-20% faster per step on a Zen 3. The default
        until measured.
   t0   into every cache level, 4 KB ahead: on an Intel Xeon (Sapphire/Emerald Rapids) the quantized kernels had
        waited on memory for every line, arithmetic and memory taking turns; with it one core read int4 weights at
-       12.3 GB/s where no prefetch gave 7.6 and nta 8.2 (session 10), and two threads on the Qwen3-0.6B shape's
+       12.3 GB/s where no prefetch gave 7.6 and nta 8.2, and two threads on the Qwen3-0.6B shape's
        matrices read int4 at 23.0 GB/s (17.0 off, 13.3 nta; torch.sum 26.1).
   off  no software prefetch: on that Xeon, whose L3 is a victim cache, non-temporal lines skip L3, so a model that
        fits there was read from memory again every step with nta (the bundled model, bf16, one thread: 171 tok/s
-       with nta, 265-294 without; session 8). On a Zen 4 (session 17) it was the fastest for bf16 and int8 single
+       with nta, 265-294 without). On a Zen 4 it was the fastest for bf16 and int8 single
        streams of the 0.6B shape (1.13-1.15x and 1.24x nta's tok/s); int4 there kept nta.
   l2   into L2 only (PREFETCHT1), 4 KB ahead: the kind that let decode attention read its cold KV cache at the
-       rate of a plain read on a Zen 4 (1.3-1.45x T0's; csrc/paged_decode.cpp, session 22). Not timed by the
+       rate of a plain read on a Zen 4 (1.3-1.45x T0's; csrc/paged_decode.cpp). Not timed by the
        passes: there the int4 body's pass preferred it (10.61 ms against nta's 11.55, in each of 3 rounds), but
        whole int4 decodes with it forced ran at 58.7 / 60.8 / 57.5 tok/s against nta's 76.8 / 64.5 / 61.4
        (alternating processes): a pass over the linears alone does not see what the stream evicts. Whole steps
-       (`tune_steps`) try it since session 27: the bf16 0.6B shape's single stream, in one process with the kinds
+       (`tune_steps`) try it: the bf16 0.6B shape's single stream, in one process with the kinds
        alternating (16 generations each, paired medians), ran 1.04x off's and 1.12x nta's in a slow spell of the
        machine (26 / 25 / 23 tok/s) and 1.06x off's over a mixed one, where int8 ran 0.80x off's and int4 0.96x.
-The bf16 kernel follows the mode up to 3 activation rows (until session 17 it always prefetched T0 2 KB ahead);
+The bf16 kernel follows the mode up to 3 activation rows (it had always prefetched T0 2 KB ahead, which lost to no prefetch on a Zen 4);
 from 4 rows on it prefetches into L2 whatever the mode (csrc/skinny_linear.cpp says why).
 Each kernel family (bf16, int8, int4, int6) has its own mode, since one model can stream through two: an int4
-model's head was int8 (int6 since session 20), and on that Zen 4 (session 18) its int4 body streamed fastest with
+model's head was int8 (it is int6 now), and on that Zen 4 its int4 body streamed fastest with
 nta, its int8 head without a prefetch. So the loader times passes over each family's linear layers at one
 activation row, as a decode step reads them, in each mode after a settling pass in that mode, and keeps the
 family's fastest (nta unless another beat it by MARGIN in every round: `choose`). Past MAX_BYTES of a family's
@@ -137,7 +137,7 @@ def _tune_family(kern, fam: str, linears: list[tuple[Linear, int]], dtype: torch
     # Each mode is timed in its own steady state: a pass right after a switch still pays for what the other mode
     # left in the caches (after non-temporal passes the weights are out of L3, so the first plain pass reads
     # memory; timing that pass alone had made two modes look alike, 4.4 vs 4.8 ms on the bundled model bf16,
-    # where steady passes take 3.4 vs 5.7 ms: session 9). The order alternates between rounds.
+    # where steady passes take 3.4 vs 5.7 ms). The order alternates between rounds.
     rounds: dict[str, list[float]] = {m: [] for m in MODES}  # per mode, its best pass in each round
     try:
         with torch.inference_mode():
@@ -164,7 +164,7 @@ def choose(rounds: dict[str, list[float]], default: str = DEFAULT, margin: float
     """The mode to keep from each mode's best pass per round ({mode: [seconds, ..]}, the rounds aligned): another
     mode than the default only where it beat the default by the margin in every round (or in wins_needed of them),
     the fastest such (by its best pass). A best-of over all rounds let one lucky pass decide: on a Zen 4 whose
-    bandwidth moves between spells (session 22) the 0.6B shape's int4 model drew nta, off and l2 (timed then) in
+    bandwidth moves between spells the 0.6B shape's int4 model drew nta, off and l2 (timed then) in
     three loads, and through the engine (alternating processes, each mode forced, 96 tokens after a 128-token
     prompt, median of 5 generations) nta decoded at 76.8 / 64.5 / 61.4 tok/s, off at 58.2 / 65.3 / 57.8, l2 at
     58.7 / 60.8 / 57.5: the isolated pass does not see what a stream that evicts the step's other data costs,
@@ -186,8 +186,8 @@ STEP_TIMED = 2  # steps timed per candidate and round (the fastest counts), afte
 def tune_steps(step, measured: dict[str, str]) -> dict[str, str]:
     """Check the passes' choice (`tune`: {family: mode}) against whole decode steps and keep what they run fastest.
 
-    Why: a pass over the linears alone misjudges a kind both ways. In session 22 it preferred l2 for the 0.6B
-    shape's int4 body while whole decodes ran slower with it; in session 23 it kept nta for the bf16 model (off
+    Why: a pass over the linears alone misjudges a kind both ways. On a Zen 4 it preferred l2 for the 0.6B
+    shape's int4 body while whole decodes ran slower with it; on the same machine it kept nta for the bf16 model (off
     never beat it by 5% in every round) while whole decodes, in one process with the kinds alternating, ran 1.23x
     faster with off (10 of 10 pairs). So once the engine can run a step (ModelRunner.warmup), `step()` runs one
     decode step and candidates are timed through it: the passes' choice, and every family in one kind (nta, t0,

@@ -130,7 +130,7 @@ class Int4Method(QuantMethod):
             elif (self.group_size == 64 and q.shape[1] % 256 == 0 and kern.has_int4_interleaved()
                   and dtype in (torch.bfloat16, torch.float16)):
                 # AVX2: each row's groups interleaved four at a time (the same bytes), which saves the kernel
-                # its horizontal adds: the 0.6B shape's int4 body read 1.07-1.11x faster (session 37)
+                # its horizontal adds: the 0.6B shape's int4 body read 1.07-1.11x faster
                 state.stream = (pack_int4_interleaved(q), ss)
         state.int8_key = None
         if self.w8a8_min_rows is not None and use_int8_gemm(layer, dtype, q.device):

@@ -2,7 +2,9 @@
 
 One job per file, in the order a request meets them:
     cli.py        flags (vLLM's names) -> EngineConfig; uvicorn; SIGTERM drain; exit 1 when the engine dies
-    app.py        the FastAPI app: routes, the ASGI gate (drain, JSON only, Origin, API key), disconnects
+    app.py        the FastAPI app: routes, disconnects, the response of a finished request
+    gate.py       the ASGI gate in front of every route: drain, JSON only, Origin, API key
+    state.py      what every route shares: ServerState, limits, reading a request, errors counted
     auth.py       the optional bearer key
     admission.py  what the server takes on, before it works on it: body bytes, sequences (prompts x n)
     body.py       bodies read and parsed off the event loop (a thread, or a parser process when big)
@@ -15,4 +17,7 @@ One job per file, in the order a request meets them:
     responses.py  response objects: choices, logprobs, usage, the `timings` extension field
     errors.py     every failure as an OpenAI-shaped error with the right status
     metrics.py    Prometheus: request histograms, engine gauges and counters read at scrape time
+
+The HTTP side (everything but cli.py) sees the engine through engine.client.EngineClient only, and imports the
+plain types; cli.py, which builds the engine for `leverlab serve`, may import engine and what it needs below.
 """

@@ -115,7 +115,7 @@ class ThroughputGate:
     # The first probe comes SECOND_LOOK decisions after the first tries, not a whole period: a new bucket's first
     # few speculating steps can read low for reasons that pass (an n-gram arm before the output repeats itself),
     # and following the other arm for a period on that had cost the first 128-token generation at c = 1 most of
-    # its speculation (65 plain steps of 89 where speculating ran 1.3-1.9x plain decoding; session 16).
+    # its speculation (65 plain steps of 89 where speculating ran 1.3-1.9x plain decoding).
     SECOND_LOOK = 16
 
     def __init__(self, needs_capture: bool):

@@ -23,7 +23,7 @@ def measure_bandwidth(threads: int | None = None, gib: float = 1.0, reps: int = 
     """Read bandwidth in GB/s: the best of a few full passes summing a tensor far larger than the caches, in
     torch's own (4 KB-page) memory and in huge-page memory, where the engine keeps CPU weights
     (kernels/huge_pages.py). Read through 4 KB pages alone, a roofline sat below what the engine's kernels reach:
-    the bf16 0.6B shape decoded at 103% of it (session 12; huge pages read 3-7% faster here)."""
+    the bf16 0.6B shape decoded at 103% of it (huge pages read 3-7% faster here)."""
     import torch
 
     from leverlab.kernels.huge_pages import huge_page_buffer
@@ -46,7 +46,7 @@ def thread_scaling(threads: int, n: int = 512, reps: int = 5) -> float | None:
     than one thread: near `threads` where the host runs them on separate cores, near 1 where it runs them on one
     core's two hyperthreads or time-slices them. None for one thread. Why: the steal counter (study/steal.py) does
     not see the second case, and on this project's shared VMs two vCPUs at times delivered one core's arithmetic
-    between them (docs/quantization.md, "Session 40"), which moves every compute-bound figure."""
+    between them (docs/quantization.md: the machine's steal time), which moves every compute-bound figure."""
     import torch
 
     if threads <= 1:

@@ -94,11 +94,12 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
 
 def build_plan(args: argparse.Namespace):
     from leverlab.study import plan as P
+    from leverlab.study import plan_files
 
     if args.plan:
-        plan = P.load_plan(args.plan)
+        plan = plan_files.load_plan(args.plan)
     elif args.steps:
-        plan = P.plan_from_steps_arg(args.steps)
+        plan = plan_files.plan_from_steps_arg(args.steps)
         short = P.default_plan()
         for k in ("num_prompts", "output_scale", "concurrency", "sweep_rounds"):
             setattr(plan, k, getattr(short, k))

@@ -16,7 +16,7 @@ Two ways to collect (the report says which was used):
               logprobs (token ids where the server returns them as `token_id:N`, as ours and vLLM's do; else
               token strings) and vLLM's `prompt_logprobs` extension when the server honours it (else
               perplexity/KL are n/a). Through our server the ids and prompt logprobs equal the in-process
-              collection's (checked on the bundled model, session 9), without a process and a model load per
+              collection's (checked on the bundled model), without a process and a model load per
               configuration.
   in-process  `--fidelity inprocess`: the Python API (LLM) with the configuration's levers, eager mode.
 Speculative configurations are also checked for exactness: speculation on and off, both in float32, must

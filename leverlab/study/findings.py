@@ -9,59 +9,39 @@ from __future__ import annotations
 
 from typing import Any
 
-REPRODUCED, PARTLY, NOT_REPRODUCED, NOT_TESTED = "reproduced", "partly", "not reproduced", "not tested"
-# Finding 1: output tokens must cost at least this many times more latency per token than input tokens.
-OUTPUT_VS_INPUT_MIN = 5.0
-# "Helps"/"hurts": a change beyond this relative margin (shared machines are noisy).
-MARGIN = 0.03
-
-
-def _f(id_: str, title: str, status: str, evidence: str, why: str = "") -> dict[str, str]:
-    return {"id": id_, "title": title, "status": status, "evidence": evidence, "why": why}
-
-
-def _by_name(a: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {c["name"]: c for c in a["configs"]}
-
-
-def _m(c: dict[str, Any] | None) -> dict[str, Any]:
-    return (c or {}).get("metrics") or {}
-
-
-def _unavailable(c: dict[str, Any]) -> str:
-    return f"{c['name']} {c['status']}" + (f": {c['reason']}" if c.get("reason") else "")
-
-
-def _ran_step(a: dict[str, Any], lever: str, wanted, absent: str) -> tuple[dict[str, Any], dict[str, Any]] | str:
-    """The plan's first step that changes `lever` to a value `wanted(levers)` accepts, and its parent, when both
-    ran; else why not (`absent` when the plan has no such step), for a NOT TESTED finding."""
-    steps = [c for c in a["configs"] if c["lever"] == lever and wanted(c["levers"])]
-    if not steps:
-        return absent
-    c = steps[0]
-    p = _by_name(a)[c["parent"]]
-    if c["status"] != "done" or p["status"] != "done":
-        return _unavailable(c if c["status"] != "done" else p)
-    return c, p
+from leverlab.study.findings_common import (
+    MARGIN,
+    NOT_REPRODUCED,
+    NOT_TESTED,
+    OUTPUT_VS_INPUT_MIN,
+    PARTLY,
+    REPRODUCED,
+    by_name,
+    finding,
+    metrics_of,
+    ran_step,
+    unavailable,
+)
+from leverlab.study.findings_spec import check_exactness, check_ngram, check_separate_draft
 
 
 def check_output_length(a: dict[str, Any]) -> dict[str, str]:
     title = "Output length, not input length, drives latency (decode is memory-bound)"
     base = a["configs"][0]
-    single = _m(base).get("single") or {}
+    single = metrics_of(base).get("single") or {}
     short, long_, decode = (
         single.get("short"),
         single.get("long") or single.get("medium"),
         single.get("decode"),
     )
     if not (short and long_ and decode):
-        return _f(
+        return finding(
             "1", title, NOT_TESTED, "", "needs the baseline's short, long (or medium) and decode buckets"
         )
     d_in = (long_["input_tokens"] or 0) - (short["input_tokens"] or 0)
     d_out = (decode["output_tokens"] or 0) - (short["output_tokens"] or 0)
     if d_in <= 0 or d_out <= 0:
-        return _f("1", title, NOT_TESTED, "", "the buckets do not differ in input and output length")
+        return finding("1", title, NOT_TESTED, "", "the buckets do not differ in input and output length")
     per_in = (long_["e2e_p50_s"] - short["e2e_p50_s"]) / d_in
     per_out = (decode["e2e_p50_s"] - short["e2e_p50_s"]) / d_out
     evidence = (
@@ -77,7 +57,7 @@ def check_output_length(a: dict[str, Any]) -> dict[str, str]:
             if per_in > 0
             else "extra input cost nothing measurable"
         ) + ": prefill processes the prompt in parallel passes, decode pays one full weight read per token"
-        return _f("1", title, REPRODUCED, evidence, why)
+        return finding("1", title, REPRODUCED, evidence, why)
     why = f"an output token costs only {ratio:.1f}x an input token here"
     t_s, t_l = short.get("ttft_p50_ms"), long_.get("ttft_p50_ms")
     extra = long_["e2e_p50_s"] - short["e2e_p50_s"]
@@ -90,11 +70,11 @@ def check_output_length(a: dict[str, Any]) -> dict[str, str]:
         )
     else:
         why += ": on a CPU prefill is compute-bound, so long prompts are not nearly free as on a GPU"
-    return _f("1", title, NOT_REPRODUCED if ratio < 2 else PARTLY, evidence, why)
+    return finding("1", title, NOT_REPRODUCED if ratio < 2 else PARTLY, evidence, why)
 
 
 def _precision_steps(a: dict[str, Any]) -> list[tuple[dict, dict]]:
-    byn = _by_name(a)
+    byn = by_name(a)
     return [(byn[c["parent"]], c) for c in a["configs"] if c["lever"] == "precision" and c["parent"] in byn]
 
 
@@ -102,11 +82,11 @@ def check_precision(a: dict[str, Any]) -> dict[str, str]:
     title = "Precision speedups track the byte ratio"
     pairs = _precision_steps(a)
     if not pairs:
-        return _f("2", title, NOT_TESTED, "", "the plan has no precision step")
+        return finding("2", title, NOT_TESTED, "", "the plan has no precision step")
     done = [(p, c) for p, c in pairs if p["status"] == "done" and c["status"] == "done"]
-    skipped = [_unavailable(c) for p, c in pairs if c["status"] != "done"]
+    skipped = [unavailable(c) for p, c in pairs if c["status"] != "done"]
     if not done:
-        return _f("2", title, NOT_TESTED, "", "; ".join(skipped) or "no precision step ran")
+        return finding("2", title, NOT_TESTED, "", "; ".join(skipped) or "no precision step ran")
     parts, shares, faster = [], [], True
     for p, c in done:
         pb, cb = (
@@ -114,8 +94,8 @@ def check_precision(a: dict[str, Any]) -> dict[str, str]:
             (c.get("prediction") or {}).get("bytes_per_pass"),
         )
         byte_ratio = pb / cb if pb and cb else None
-        d_p, d_c = _m(p).get("decode_tok_s"), _m(c).get("decode_tok_s")
-        r_p, r_c = _m(p).get("rps_cmax"), _m(c).get("rps_cmax")
+        d_p, d_c = metrics_of(p).get("decode_tok_s"), metrics_of(c).get("decode_tok_s")
+        r_p, r_c = metrics_of(p).get("rps_cmax"), metrics_of(c).get("rps_cmax")
         s_dec = d_c / d_p if d_p and d_c else None
         s_rps = r_c / r_p if r_p and r_c else None
         txt = (
@@ -129,11 +109,11 @@ def check_precision(a: dict[str, Any]) -> dict[str, str]:
             if byte_ratio and byte_ratio > 1:
                 shares.append((s_dec - 1) / (byte_ratio - 1))
         if s_rps is not None:
-            txt += f", req/s at c={_m(c).get('c_max')} {s_rps:.2f}x"
+            txt += f", req/s at c={metrics_of(c).get('c_max')} {s_rps:.2f}x"
         parts.append(txt)
     evidence = "; ".join(parts) + (f" ({'; '.join(skipped)})" if skipped else "")
     if faster and shares and min(shares) >= 0.5:
-        return _f(
+        return finding(
             "2", title, REPRODUCED, evidence, "fewer bytes per weight give proportionally faster decode"
         )
     fixed = (a["configs"][0].get("prediction") or {}).get("t_fixed_ms")
@@ -146,196 +126,33 @@ def check_precision(a: dict[str, Any]) -> dict[str, str]:
             "at most the byte share"
         )
     if faster:
-        return _f(
+        return finding(
             "2", title, PARTLY, evidence, "direction reproduced, magnitude below the byte ratio; " + why
         )
-    return _f(
+    return finding(
         "2", title, NOT_REPRODUCED, evidence, why or "quantized kernels cost compute the byte model ignores"
     )
-
-
-def _no_spec_ancestor(a: dict[str, Any], c: dict[str, Any]) -> dict[str, Any] | None:
-    byn = _by_name(a)
-    p = byn.get(c["parent"] or "")
-    while p is not None and p["levers"].speculative:
-        p = byn.get(p["parent"] or "")
-    return p
-
-
-def _spec_steps(a: dict[str, Any], method: str, adaptive: bool) -> list[dict[str, Any]]:
-    return [
-        c
-        for c in a["configs"]
-        if c["levers"].speculative
-        and c["levers"].speculative.get("method") == method
-        and bool(c["levers"].speculative.get("adaptive")) == adaptive
-    ]
-
-
-def check_ngram(a: dict[str, Any]) -> dict[str, str]:
-    title = "n-gram speculation helps at concurrency 1 and hurts under load; the adaptive mode does not"
-    plain = _spec_steps(a, "ngram", False)
-    if not plain:
-        return _f("3", title, NOT_TESTED, "", "the plan has no n-gram step")
-    c = plain[0]
-    ref = _no_spec_ancestor(a, c)
-    if c["status"] != "done" or ref is None or ref["status"] != "done":
-        return _f(
-            "3", title, NOT_TESTED, "", _unavailable(c) if c["status"] != "done" else "its parent did not run"
-        )
-    bucket = "decode" if "decode" in (_m(c).get("single") or {}) else None
-
-    def lat(x):
-        return (
-            ((_m(x).get("single") or {}).get(bucket) or {}).get("e2e_p50_s")
-            if bucket
-            else _m(x).get("e2e_p50_s")
-        )
-
-    l_ref, l_c = lat(ref), lat(c)
-    r_ref, r_c = _m(ref).get("rps_cmax"), _m(c).get("rps_cmax")
-    cmax = _m(c).get("c_max")
-    helps = l_c is not None and l_ref is not None and l_c < l_ref * (1 - MARGIN)
-    hurts = r_c is not None and r_ref is not None and r_c < r_ref * (1 - MARGIN)
-    acc = _m(c).get("acceptance_rate")
-    ev = [
-        f"{bucket or 'sweep'}-bucket P50 at c=1: {ref['name']} {l_ref:.2f} s, {c['name']} {l_c:.2f} s"
-        if l_ref and l_c
-        else "no c=1 latency",
-        f"req/s at c={cmax}: {r_ref:.3f} vs {r_c:.3f}" if r_ref and r_c else "no sweep",
-    ]
-    if acc is not None:
-        ev.append(
-            f"draft acceptance {acc:.0%}, {(c.get('prediction') or {}).get('tokens_per_pass', 1):.2f} tokens per pass"
-        )
-    adaptive = _spec_steps(a, "ngram", True)
-    adaptive_ok = None
-    if adaptive and adaptive[0]["status"] == "done":
-        ad = adaptive[0]
-        r_ad, l_ad = _m(ad).get("rps_cmax"), lat(ad)
-        if r_ad and r_ref:
-            adaptive_ok = r_ad >= r_ref * (1 - MARGIN)
-            ev.append(
-                f"adaptive: c=1 P50 {l_ad:.2f} s, req/s at c={cmax} {r_ad:.3f} ({r_ad / r_ref:.2f}x {ref['name']})"
-            )
-    elif adaptive:
-        ev.append(_unavailable(adaptive[0]))
-    evidence = "; ".join(ev)
-    why = []
-    if not helps:
-        why.append(
-            "at c=1 n-gram did not lower latency: its verify pass costs more than a plain one on a CPU and "
-            + (
-                "few drafts were accepted"
-                if acc is not None and acc < 0.3
-                else "the gain per accepted token is small"
-            )
-        )
-    if not hurts:
-        why.append(f"under load (c={cmax}) it did not cost throughput")
-        if acc is not None and acc >= 0.7:
-            why.append(
-                f"{acc:.0%} of drafts were accepted (greedy continuations of a small model repeat themselves), "
-                "so drafts are nearly free tokens even in a batch"
-            )
-    if adaptive_ok is False:
-        why.append("the adaptive mode lost throughput under load")
-    if adaptive_ok is None:
-        why.append("the adaptive mode was not measured")
-    if helps and hurts and adaptive_ok:
-        return _f(
-            "3",
-            title,
-            REPRODUCED,
-            evidence,
-            "speculation trades spare compute for fewer passes: plenty at c=1, none under load",
-        )
-    status = PARTLY if (helps or hurts) else NOT_REPRODUCED
-    return _f("3", title, status, evidence, "; ".join(why))
-
-
-def check_exactness(a: dict[str, Any]) -> dict[str, str]:
-    title = "Speculative decoding says exactly what the model says (greedy, float32)"
-    spec = [c for c in a["configs"] if c["levers"].speculative and c["status"] == "done"]
-    if not spec:
-        return _f("S", title, NOT_TESTED, "", "no speculative configuration ran")
-    ev, bad, missing = [], [], []
-    for c in spec:
-        ex = (c.get("fidelity") or {}).get("exactness")
-        if ex is None:
-            missing.append(c["name"])
-            continue
-        ev.append(f"{c['name']}: {ex['identical']}/{ex['n']} identical")
-        if not ex["exact"]:
-            bad.append(c["name"])
-    if bad:
-        return _f(
-            "S",
-            title,
-            NOT_REPRODUCED,
-            "; ".join(ev),
-            f"BUG: speculation changed greedy tokens in {', '.join(bad)}",
-        )
-    if not ev:
-        return _f(
-            "S", title, NOT_TESTED, "", f"no exactness check for {', '.join(missing)} (fidelity over HTTP)"
-        )
-    return _f(
-        "S", title, REPRODUCED, "; ".join(ev), "verification accepts a draft only where the model agrees"
-    )
-
-
-def check_separate_draft(a: dict[str, Any]) -> dict[str, str]:
-    title = "A separate draft model helps single-stream but hurts under load; a fused trained head holds up batched"
-    draft = next(
-        (c for c in a["configs"] if (c["levers"].speculative or {}).get("method") == "draft_model"), None
-    )
-    eagle = next((c for c in a["configs"] if (c["levers"].speculative or {}).get("method") in ("eagle", "eagle3")), None)
-    if draft is None and eagle is None:
-        return _f("3b", title, NOT_TESTED, "", "the plan has no draft-model or EAGLE step")
-    ran = [c for c in (draft, eagle) if c is not None and c["status"] == "done"]
-    skipped = [_unavailable(c) for c in (draft, eagle) if c is not None and c["status"] != "done"]
-    if len(ran) < 2:
-        ev = []
-        for c in ran:
-            ref = _no_spec_ancestor(a, c)
-            r, rr = _m(c).get("rps_cmax"), _m(ref).get("rps_cmax")
-            if r and rr:
-                ev.append(f"{c['name']}: req/s at c={_m(c).get('c_max')} {r / rr:.2f}x {ref['name']}")
-        return _f("3b", title, NOT_TESTED, "; ".join(ev), "; ".join(skipped))
-    ev = []
-    for c in ran:
-        ref = _no_spec_ancestor(a, c)
-        r, rr = _m(c).get("rps_cmax"), _m(ref).get("rps_cmax")
-        ev.append(
-            f"{c['name']}: req/s at c={_m(c).get('c_max')} {r / rr:.2f}x {ref['name']}"
-            if r and rr
-            else c["name"]
-        )
-    r_d, r_e = _m(draft).get("rps_cmax"), _m(eagle).get("rps_cmax")
-    ok = r_d is not None and r_e is not None and r_e > r_d
-    return _f("3b", title, REPRODUCED if ok else NOT_REPRODUCED, "; ".join(ev), "")
 
 
 def check_tensor_parallel(a: dict[str, Any]) -> dict[str, str]:
     title = "Tensor parallelism adds bandwidth but pays an all-reduce per layer: sub-linear"
     tp = [c for c in a["configs"] if c["lever"] == "tensor_parallel"]
     if not tp:
-        return _f("4", title, NOT_TESTED, "", "the plan has no tensor-parallel step")
+        return finding("4", title, NOT_TESTED, "", "the plan has no tensor-parallel step")
     done = [c for c in tp if c["status"] == "done"]
     if not done:
-        return _f("4", title, NOT_TESTED, "", "; ".join(_unavailable(c) for c in tp))
-    byn = _by_name(a)
+        return finding("4", title, NOT_TESTED, "", "; ".join(unavailable(c) for c in tp))
+    byn = by_name(a)
     ev, sub = [], True
     for c in done:
         p = byn[c["parent"]]
-        d, dp = _m(c).get("decode_tok_s"), _m(p).get("decode_tok_s")
+        d, dp = metrics_of(c).get("decode_tok_s"), metrics_of(p).get("decode_tok_s")
         if d and dp:
             ev.append(
                 f"{p['name']} -> {c['name']} (TP={c['levers'].tensor_parallel_size}): decode {d / dp:.2f}x"
             )
             sub &= d / dp < c["levers"].tensor_parallel_size
-    return _f("4", title, REPRODUCED if ev and sub else NOT_REPRODUCED, "; ".join(ev), "")
+    return finding("4", title, REPRODUCED if ev and sub else NOT_REPRODUCED, "; ".join(ev), "")
 
 
 def check_replicas_vs_tp(a: dict[str, Any]) -> dict[str, str]:
@@ -344,21 +161,21 @@ def check_replicas_vs_tp(a: dict[str, Any]) -> dict[str, str]:
     P50 at concurrency 1, throughput per core the output tokens/s at the highest concurrency over the ranks
     busy (TP x DP processes, one core each by default)."""
     title = "TP wins single-request latency; replicas win throughput per core"
-    byn = _by_name(a)
+    byn = by_name(a)
     dp = [c for c in a["configs"] if c["lever"] == "replicas"]
     pairs = [(t, d) for d in dp for t in a["configs"] if t["lever"] == "tensor_parallel" and t["parent"] == d["parent"]]
     if not pairs:
-        return _f("4b", title, NOT_TESTED, "", "the plan has no replicas step beside a tensor-parallel step on the "
+        return finding("4b", title, NOT_TESTED, "", "the plan has no replicas step beside a tensor-parallel step on the "
                   "same parent")
     ran = [(t, d) for t, d in pairs if t["status"] == "done" and d["status"] == "done"]
     if not ran:
-        return _f("4b", title, NOT_TESTED, "", "; ".join(_unavailable(c) for p in pairs for c in p if c["status"] != "done"))
+        return finding("4b", title, NOT_TESTED, "", "; ".join(unavailable(c) for p in pairs for c in p if c["status"] != "done"))
     ev, wins = [], []
     for t, d in ran:
-        lt, ld = _m(t).get("e2e_p50_s"), _m(d).get("e2e_p50_s")
+        lt, ld = metrics_of(t).get("e2e_p50_s"), metrics_of(d).get("e2e_p50_s")
         per_core = {}
         for c in (t, d):
-            tput = _m(c).get("out_tok_s_cmax")
+            tput = metrics_of(c).get("out_tok_s_cmax")
             lv = c["levers"]
             per_core[c["name"]] = tput / (lv.tensor_parallel_size * lv.data_parallel_size) if tput else None
         pt, pd = per_core[t["name"]], per_core[d["name"]]
@@ -369,23 +186,23 @@ def check_replicas_vs_tp(a: dict[str, Any]) -> dict[str, str]:
         ev.append(
             f"on {byn[t['parent']]['name']}: latency (P50, concurrency 1) {t['name']} {lt:.2f} s vs {d['name']} "
             f"{ld:.2f} s: {lat_winner['name'] if lat_winner else 'a tie'} wins; output tok/s per core at "
-            f"concurrency {_m(d).get('c_max')}: {t['name']} {pt:.1f} vs {d['name']} {pd:.1f}: "
+            f"concurrency {metrics_of(d).get('c_max')}: {t['name']} {pt:.1f} vs {d['name']} {pd:.1f}: "
             f"{tput_winner['name'] if tput_winner else 'a tie'} wins"
         )
         wins.append((lat_winner is t, tput_winner is d))
     if not wins:
-        return _f("4b", title, NOT_TESTED, "", "the steps ran but lack concurrency-1 latency or sweep throughput")
+        return finding("4b", title, NOT_TESTED, "", "the steps ran but lack concurrency-1 latency or sweep throughput")
     both = all(a_ and b_ for a_, b_ in wins)
     one = any(a_ or b_ for a_, b_ in wins)
     status = REPRODUCED if both else PARTLY if one else NOT_REPRODUCED
     why = ("as the reference says: split the model to cut one request's latency, copy it to serve more per core"
            if both else "on this machine TP's all-reduces and shared memory bandwidth change the trade "
            "(docs/tensor-parallel.md: what to expect)")
-    return _f("4b", title, status, "; ".join(ev), why)
+    return finding("4b", title, status, "; ".join(ev), why)
 
 
 def check_memory(a: dict[str, Any]) -> dict[str, str]:
-    return _f(
+    return finding(
         "5",
         "Faster memory is the cleanest lever",
         NOT_TESTED,
@@ -399,7 +216,7 @@ def check_multiply(a: dict[str, Any]) -> dict[str, str]:
     """Independence: the same lever change (same lever, same value) made on two different parents should give
     the same speedup; then stacked levers multiply. E.g. int8 -> int4 with and without EAGLE on top."""
     title = "Levers that target different terms multiply"
-    byn = _by_name(a)
+    byn = by_name(a)
     ev, ratios = [], []
     steps = [c for c in a["configs"] if c["parent"]]
     for i, c in enumerate(steps):
@@ -413,7 +230,7 @@ def check_multiply(a: dict[str, Any]) -> dict[str, str]:
                 d["lever"]
             ):
                 continue
-            vals = [_m(x).get("decode_tok_s") for x in (c, pc, d, pd)]
+            vals = [metrics_of(x).get("decode_tok_s") for x in (c, pc, d, pd)]
             if not all(vals):
                 continue
             s1, s2 = vals[0] / vals[1], vals[2] / vals[3]
@@ -422,13 +239,13 @@ def check_multiply(a: dict[str, Any]) -> dict[str, str]:
     if not ratios:
         stacked = [c for c in a["configs"] if c["name"] == "champion"]
         why = (
-            _unavailable(stacked[0])
+            unavailable(stacked[0])
             if stacked and stacked[0]["status"] != "done"
             else ("no lever change was made on two different parents that both ran")
         )
-        return _f("6", title, NOT_TESTED, "", why)
+        return finding("6", title, NOT_TESTED, "", why)
     ok = all(abs(r - 1) <= 0.25 for r in ratios)
-    return _f(
+    return finding(
         "6",
         title,
         REPRODUCED if ok else NOT_REPRODUCED,
@@ -443,17 +260,17 @@ def check_batching(a: dict[str, Any]) -> dict[str, str]:
     """Static batches against continuous batching, at the sweep's top concurrency: continuous should serve
     more requests/s and answer sooner, since a static batch holds every slot until its longest member ends."""
     title = "Continuous batching beats static batches under load"
-    ran = _ran_step(a, "batching", lambda lv: lv.batching == "static",
+    ran = ran_step(a, "batching", lambda lv: lv.batching == "static",
                     "no static-batching step in this plan (the default plan has one)")
     if isinstance(ran, str):
-        return _f("B", title, NOT_TESTED, "", ran)
+        return finding("B", title, NOT_TESTED, "", ran)
     c, p = ran
-    cmax = _m(c).get("c_max")
-    rs, rc = _m(c).get("rps_cmax"), _m(p).get("rps_cmax")
-    ls = ((_m(c).get("sweep") or {}).get(cmax) or {}).get("e2e_p50_s")
-    lc = ((_m(p).get("sweep") or {}).get(cmax) or {}).get("e2e_p50_s")
+    cmax = metrics_of(c).get("c_max")
+    rs, rc = metrics_of(c).get("rps_cmax"), metrics_of(p).get("rps_cmax")
+    ls = ((metrics_of(c).get("sweep") or {}).get(cmax) or {}).get("e2e_p50_s")
+    lc = ((metrics_of(p).get("sweep") or {}).get(cmax) or {}).get("e2e_p50_s")
     if not (rs and rc and ls and lc):
-        return _f("B", title, NOT_TESTED, "", "the sweep has no figures at the top concurrency")
+        return finding("B", title, NOT_TESTED, "", "the sweep has no figures at the top concurrency")
     more, sooner = rc > rs * (1 + MARGIN), lc < ls * (1 - MARGIN)
     ev = (
         f"at concurrency {cmax}: continuous ({p['name']}) {rc:.3f} req/s, P50 {lc:.2f} s; static ({c['name']}) "
@@ -465,20 +282,20 @@ def check_batching(a: dict[str, Any]) -> dict[str, str]:
         if status != NOT_REPRODUCED
         else "equal output lengths leave a static batch little idle time; the gap grows with mixed lengths"
     )
-    return _f("B", title, status, ev, why)
+    return finding("B", title, status, ev, why)
 
 
 def check_model(a: dict[str, Any]) -> dict[str, str]:
     """Right-sizing (the reference's first lever): the smaller model of the family serves faster, by about
     its byte ratio, and says other things; the fidelity columns say how much."""
     title = "Right-sizing: a smaller model of the family is faster, at a cost in fidelity"
-    ran = _ran_step(a, "model", lambda lv: bool(lv.model), "no model step in this plan (the default plan has one)")
+    ran = ran_step(a, "model", lambda lv: bool(lv.model), "no model step in this plan (the default plan has one)")
     if isinstance(ran, str):
-        return _f("R", title, NOT_TESTED, "", ran)
+        return finding("R", title, NOT_TESTED, "", ran)
     c, p = ran
-    d, dp = _m(c).get("decode_tok_s"), _m(p).get("decode_tok_s")
+    d, dp = metrics_of(c).get("decode_tok_s"), metrics_of(p).get("decode_tok_s")
     if not (d and dp):
-        return _f("R", title, NOT_TESTED, "", "no decode rate measured")
+        return finding("R", title, NOT_TESTED, "", "no decode rate measured")
     pred = c.get("prediction") or {}
     bytes_ratio = (pred.get("byte_ratio_vs_baseline") or 0) / ((p.get("prediction") or {}).get(
         "byte_ratio_vs_baseline"
@@ -497,7 +314,7 @@ def check_model(a: dict[str, Any]) -> dict[str, str]:
         if faster
         else "the smaller model is not faster here: the fixed per-pass cost dominates a model this small"
     )
-    return _f("R", title, status, ev, why)
+    return finding("R", title, status, ev, why)
 
 
 def check_all(a: dict[str, Any]) -> list[dict[str, str]]:
@@ -519,5 +336,5 @@ def check_all(a: dict[str, Any]) -> list[dict[str, str]]:
         try:
             out.append(chk(a))
         except Exception as e:  # noqa: BLE001 - a check that cannot compute says so, the report still renders
-            out.append(_f("?", chk.__name__, NOT_TESTED, "", f"could not compute: {type(e).__name__}: {e}"))
+            out.append(finding("?", chk.__name__, NOT_TESTED, "", f"could not compute: {type(e).__name__}: {e}"))
     return out

@@ -1,6 +1,6 @@
 """CPU time the hypervisor gave to other guests while we ran: the steal counter of /proc/stat.
 
-Why: on a shared virtual machine a benchmark's figures move with its neighbours. In session 40 the steal counter
+Why: on a shared virtual machine a benchmark's figures move with its neighbours. In one measured run the steal counter
 gained up to ~5% of both vCPUs' time in a few minutes. A rate measured in such a spell says more about the host than
 about the engine; a benchmark that records the steal share beside each block lets its reader discount those blocks
 instead of guessing. (The host can also run two vCPUs on one core's two hyperthreads, which steal does not count:

@@ -2,4 +2,7 @@
 
 Everything here reproduces `models/leverlab-code-15m`, `models/leverlab-code-draft` and `models/workload.json`
 from the running interpreter's standard library source; no network, no downloaded weights or data.
+
+A tool on the public API: may import leverlab.LLM and the model code it trains (models, layers, speculative's
+EAGLE formats) and the plain types.
 """

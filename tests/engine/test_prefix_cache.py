@@ -55,7 +55,7 @@ def test_reuse_exact_block_ids_and_lru_eviction():
 def test_cached_free_count_kept_and_readable_while_the_engine_allocates():
     """/metrics reads the block counts from another thread while the engine thread allocates and frees: they
     must stay exact and never raise (counting by iterating the free list raised "OrderedDict mutated during
-    iteration" and dropped every gauge from a scrape under load, session 29)."""
+    iteration" and dropped every gauge from a scrape under load)."""
     bm = BlockManager(num_blocks=512, block_size=BS, enable_prefix_caching=True)
     stop, errors, reads = threading.Event(), [], [0]
 

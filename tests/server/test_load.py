@@ -70,11 +70,11 @@ def test_64_concurrent_streams_complete_or_get_clean_503(small_server):
             watcher = asyncio.create_task(watch(client))
             try:
                 # 1,024 tokens each: the admitted requests must still be running while the watcher looks (at 48
-                # the tiny model finished the burst before its first /metrics answer, session 9; at 256 once in a
-                # fresh-clone CI run, session 17, every answer showing nothing running).
+                # the tiny model finished the burst before its first /metrics answer; at 256 once in a
+                # fresh-clone CI run, every answer showing nothing running).
                 results = await asyncio.gather(*(_one_stream(client, i, 1024) for i in range(64)))
                 # The watcher loops until cancelled: if it ended, it raised, and the peaks it left say nothing.
-                # Its error fails the test by name (a scrape without the gauges, session 29: engine.stats()
+                # Its error fails the test by name (a scrape without the gauges: engine.stats()
                 # counted the free blocks by iterating them while the engine thread allocated).
                 if watcher.done():
                     watcher.result()

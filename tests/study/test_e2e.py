@@ -46,7 +46,7 @@ def tiny_plan() -> Plan:
 def write_workload(path):
     # 32 tokens out, not fewer: the server hands a stream the latest cumulative output (one-slot mailbox), and a
     # random tiny model can finish a 12-token request before the event loop sends its first chunk; the client
-    # then sees all tokens at once, TPOT is undefined and the baseline had no decode rate (CI, session 16).
+    # then sees all tokens at once, TPOT is undefined and the baseline had no decode rate (seen in CI).
     prompts = [
         {"id": f"short-{i}", "source": "test", "text": t, "num_tokens": 16} for i, t in enumerate(TEXTS)
     ]

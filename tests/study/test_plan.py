@@ -11,10 +11,8 @@ from leverlab.study.plan import (
     Step,
     default_plan,
     full_plan,
-    load_plan,
-    plan_from_dict,
-    plan_from_steps_arg,
 )
+from leverlab.study.plan_files import load_plan, plan_from_dict, plan_from_steps_arg
 
 
 def test_default_plan_follows_the_reference_progression():
