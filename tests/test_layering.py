@@ -63,13 +63,19 @@ def _imports(path: Path, module: str) -> list[tuple[str, int]]:
             if target.split(".")[0] == "leverlab":
                 if target == "leverlab":  # from leverlab import env, LLM: each name is a module of its own
                     found.extend((f"leverlab.{a.name}", node.lineno) for a in node.names)
-                else:
-                    found.append((target, node.lineno))
+                else:  # from leverlab.engine import client: the submodule where a name is one
+                    found.extend((f"{target}.{a.name}" if _is_module(f"{target}.{a.name}") else target, node.lineno)
+                                 for a in node.names)
         for child in ast.iter_child_nodes(node):
             visit(child)
 
     visit(ast.parse(path.read_text(), str(path)))
     return found
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def _module_name(path: Path) -> str:
@@ -98,3 +104,19 @@ def test_imports_point_down():
                 upward.append(f"{module} (floor {here}: {_part(module)}) imports {target} (floor {there}) "
                               f"at {path.relative_to(ROOT.parent)}:{line}")
     assert not upward, "imports that point up:\n" + "\n".join(upward)
+
+
+def test_the_server_meets_the_engine_through_its_client_protocol_only():
+    """server/'s HTTP side imports engine.client (EngineClient, EnginePrompt) and the plain types, nothing else of
+    ours outside server/; only cli.py, which builds the engine for `leverlab serve`, reaches further."""
+    allowed = {"leverlab.engine.client"} | {f"leverlab.{name}" for name in FLOORS[0]}
+    wrong = []
+    for path in sorted((ROOT / "server").rglob("*.py")):
+        module = _module_name(path)
+        if module == "leverlab.server.cli":
+            continue
+        for target, line in _imports(path, module):
+            if target in ("leverlab", "leverlab.__version__") or target.startswith("leverlab.server") or target in allowed:
+                continue
+            wrong.append(f"{module} imports {target} at {path.relative_to(ROOT.parent)}:{line}")
+    assert not wrong, "the server reaches past EngineClient:\n" + "\n".join(wrong)
