@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3ForCausalLM
 
+from leverlab import env
 from leverlab.train.data import load_tokens
 from leverlab.train.model_configs import count_params, draft_config, target_config
 from leverlab.train.paths import Paths
-from leverlab.train.trainer import TrainSettings, autocast, pick_device, train
+from leverlab.train.trainer import TrainSettings, autocast, train
 
 
 def load_target_from_run(paths: Paths, device: torch.device) -> Qwen3ForCausalLM:
@@ -48,7 +49,7 @@ def distill_draft(
     paths: Paths, settings: TrainSettings, resume: bool = True, temperature: float = 1.0, alpha: float = 0.9
 ) -> dict:
     torch.manual_seed(settings.seed + 1)
-    device = pick_device(settings.device)
+    device = env.pick_device(settings.device)
     torch.set_num_threads(settings.threads)
     teacher = load_target_from_run(paths, device)
     student = Qwen3ForCausalLM(draft_config())

@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
 
+    from leverlab import env
     from leverlab.config import default_model_path
     from leverlab.models.config import ModelConfig
     from leverlab.models.loader import load_model
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from leverlab.train.eagle_data import TargetFeatures, corpus_prompts, file_prompts, generate_stream
     from leverlab.train.eagle_ttt import expected_accepted, ttt_forward
     from leverlab.train.paths import MODELS_DIR, REPO_ROOT
-    from leverlab.train.trainer import TrainSettings, autocast, pick_device, train
+    from leverlab.train.trainer import TrainSettings, autocast, train
 
     if args.max_steps < 0:
         print(f"train-eagle: --max-steps must be 0 or more, got {args.max_steps}", file=sys.stderr)
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     gen_state = json.loads((work / "gen_train.json").read_text())
 
     # ---- 2. train ----------------------------------------------------------------------------------
-    device = pick_device(args.device)
+    device = env.pick_device(args.device)
     tmodel = load_model(target, args.dtype, device)
     for p in tmodel.parameters():
         p.requires_grad_(False)

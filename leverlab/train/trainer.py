@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from leverlab import env
 from leverlab.train.data import fixed_windows, random_windows
 
 
@@ -45,12 +46,6 @@ class TrainSettings:
     val_windows: int = 24
     threads: int = 2
     device: str = "auto"
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def autocast(device: torch.device):
@@ -109,7 +104,7 @@ def train(
 ) -> dict:
     """`evaluate(model, val windows, device)`: the validation loss; next-token CE (evaluate_loss) unless given."""
     torch.set_num_threads(s.threads)
-    device = pick_device(s.device)
+    device = env.pick_device(s.device)
     run_dir.mkdir(parents=True, exist_ok=True)
     model.to(device).train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
