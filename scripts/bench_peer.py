@@ -161,7 +161,8 @@ class OursEngine:
 def stream_prefetch_modes(model) -> dict[str, str]:
     """The weight-prefetch mode each kernel family of this model streams in (measured at load, in whatever spell
     the machine's bandwidth was in then; layers/prefetch_tune.py): part of what a run's decode rates ran under."""
-    from leverlab.kernels import cpu_kernels, prefetch_tune
+    from leverlab.kernels import cpu_kernels
+    from leverlab.layers import prefetch_tune
     from leverlab.layers.linear import Linear
 
     kern = cpu_kernels.kernels()
