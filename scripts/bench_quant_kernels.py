@@ -27,12 +27,13 @@ sys.path.insert(0, str(ROOT))
 
 from leverlab.layers.linear import Linear  # noqa: E402
 from leverlab.models.loader import attach_quant_method, finish_quantization  # noqa: E402
+from leverlab.quant.base import QuantMethod  # noqa: E402
 from leverlab.quant.registry import get_quant_method  # noqa: E402
 
 H, INTER = 1024, 3072
 
 
-class MMInt8:
+class MMInt8(QuantMethod):
     """int8 written as the mm-with-conversion pattern Inductor's weight-only-int8 rewrite matches."""
 
     def apply(self, layer, x):
