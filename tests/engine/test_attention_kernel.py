@@ -189,10 +189,11 @@ def test_either_cache_layout_gives_the_same_bits(cache):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_fresh_bf16_prefill_takes_sdpa_on_amx_and_the_rest_the_tiles(d):
-    """On a CPU with AMX a fresh bf16 span (its whole context new) of 64+ tokens is PyTorch's flash attention on
-    the new rows, bit for bit; a chunk after cached context, a short prompt and a decode in the same batch keep the
-    tiled kernel (the same bits as with the AMX path switched off), and every new K/V lands in its slot either way."""
+def test_fresh_bf16_prefill_takes_the_amx_kernel_and_the_rest_the_tiles(d):
+    """On a CPU with AMX a fresh bf16 span (its whole context new) of 64+ tokens is our AMX attention
+    (amx_fresh_attention) on the new rows, bit for bit; a chunk after cached context, a short prompt and a decode
+    in the same batch keep the tiled kernel (the same bits as with the AMX path switched off), and every new K/V
+    lands in its slot either way."""
     kern = cpu_kernels.kernels()
     if kern is None or not kern.amx_bf16_enabled():
         pytest.skip("no AMX-BF16 on this CPU (or switched off): fresh prefill stays on the tiled kernel")
@@ -211,9 +212,40 @@ def test_fresh_bf16_prefill_takes_sdpa_on_amx_and_the_rest_the_tiles(d):
     ours = attention_impl(q, k, v, kc, vc, *args)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     n = spans[0]
-    qb, kb, vb = (t[:n].transpose(0, 1)[None] for t in (q, k, v))
-    flash = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=d**-0.5,
-                                                             enable_gqa=True)[0].transpose(0, 1)
-    assert torch.equal(ours[:n], flash)
+    direct = torch.empty_like(q[:n])
+    kern.amx_fresh_attention(q[:n].contiguous(), k[:n].contiguous(), v[:n].contiguous(), direct, d**-0.5)
+    assert torch.equal(ours[:n], direct)
     assert torch.equal(ours[n:], tiled[n:])
     assert (ours[:n].float() - tiled[:n].float()).abs().max() < 3e-2  # the tiles round less, not differently
+
+
+@pytest.mark.parametrize("n,h,kvh,d", [(64, 2, 1, 64), (65, 6, 2, 64), (100, 4, 4, 128), (333, 16, 8, 128),
+                                       (47, 3, 1, 32), (129, 8, 2, 256), (700, 6, 2, 64)])
+def test_amx_fresh_attention_is_as_close_to_float64_as_flash_attention(n, h, kvh, d):
+    """The AMX kernel (amx_attention.cpp) against causal attention in float64 on the same bf16 inputs: no further
+    off than PyTorch's own bf16 flash attention (both round the probabilities to bf16 once), at any length
+    (partial blocks of 16 and 32), any GQA ratio and head size; and the same bits on one thread or two."""
+    kern = cpu_kernels.kernels()
+    if kern is None or not kern.amx_attention_takes(d):
+        pytest.skip("no AMX-BF16 on this CPU (or switched off): fresh prefill takes PyTorch's flash attention")
+    g = torch.Generator().manual_seed(n)
+    q = torch.randn(n, h, d, generator=g).bfloat16()
+    k, v = (torch.randn(n, kvh, d, generator=g).bfloat16() for _ in range(2))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    qb, kb, vb = (t.transpose(0, 1)[None] for t in (q, k, v))
+    exact = sdpa(qb.double(), kb.double(), vb.double(), is_causal=True, scale=d**-0.5, enable_gqa=True)
+    flash = sdpa(qb, kb, vb, is_causal=True, scale=d**-0.5, enable_gqa=True)
+    exact, flash = (t[0].transpose(0, 1) for t in (exact, flash))
+    ours = torch.empty_like(q)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        kern.amx_fresh_attention(q, k, v, ours, d**-0.5)
+        torch.set_num_threads(2)
+        two = torch.empty_like(q)
+        kern.amx_fresh_attention(q, k, v, two, d**-0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(ours, two)
+    err, ref_err = ((t.double() - exact).abs().max().item() for t in (ours, flash))
+    assert err <= ref_err * 1.25 + 1e-3, (err, ref_err)

@@ -28,6 +28,8 @@ void bind_fused_decoder(pybind11::module& m);
 bool amx_int8_available();
 at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale);
 bool amx_bf16_enabled();
+bool amx_attention_takes(int64_t D);
+void amx_fresh_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor out, double scale);
 bool set_amx_bf16(bool on);
 torch::Tensor amx_bf16_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
 
@@ -81,6 +83,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_int8_linear", &amx_int8_linear, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("w_scale"),
         "y = (q(x) W^T) * s_x * s_w on AMX tiles for any number of rows: W int8 [Np, Kp] zero-padded "
         "(quant/int8_gemm.py pack_amx), float32 s_w [N]; x quantized per row, symmetric");
+  m.def("amx_attention_takes", &amx_attention_takes, pybind11::arg("head_dim"),
+        "whether amx_fresh_attention runs here for this head size (AMX-BF16 on, D a multiple of 32 up to 256)");
+  m.def("amx_fresh_attention", &amx_fresh_attention, pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"),
+        pybind11::arg("out"), pybind11::arg("scale"),
+        "causal attention of a fresh bf16 prompt on AMX tiles: q [n, H, D], k and v [n, KVH, D] -> out [n, H, D]");
   m.def("amx_bf16_enabled", &amx_bf16_enabled,
         "whether linear_bf16 takes 1..32 bf16 rows on AMX tiles: built with AMX-BF16, the OS grants tiles, not "
         "switched off (LEVERLAB_NO_AMX=1, set_amx_bf16)");

@@ -1,0 +1,246 @@
+// Causal self-attention of a fresh bf16 prompt (no cached prefix) on AMX tiles: the prefill attention of a prompt
+// that arrives whole, as the TTFT of a 1,500-token prompt measures it.
+//
+// Why: PyTorch's CPU flash attention ran the Qwen3-0.6B shape's 1,024-token prompt at ~190 G multiply-adds a second
+// on one thread of a Xeon with AMX (11-12.5 ms a layer, scripts/profile_step.py's prefill phases put attention at 31%
+// of the prefill), where one TDPBF16PS does 16 x 16 x 32 in ~16 cycles. Per score the tiles cost ~0.25 cycle
+// (2 x D multiply-adds at D = 128); the softmax's vector work (max, exp, sum, round) ~0.5-1: that is the floor.
+//
+// Work item: one query head, a block of 32 query positions (two A tiles of 16 rows). Three passes, no online
+// rescaling, because a prompt chunk is at most the step budget (a few thousand keys) and a score row fits in L2:
+//   1. S = Q K^T, [32][Lk] float32, Lk the visible keys rounded up to 32: per 32 keys four C tiles over D / 32
+//      steps (two Q tiles against two packed K tiles).
+//   2. per row, over its own visible keys (causal): max, p = exp(scale S - max), sum in float32; p rounded to bf16
+//      into P [32][Lk], zeros past the diagonal.
+//   3. O = P V, per 32 columns of D four C tiles over Lk / 32 steps; out = O / sum, rounded to bf16 once.
+// K and V are packed once per KV head into the tiles' VNNI order and serve its G query heads:
+//   K: [n16][D/32][16 r][16 j] pairs, pair (r, j) = K[16 kb + j][32 dc + 2r .. + 1] (a 16 x 16 transpose of
+//      32-bit words of K's rows), so that C[m][j] = sum_d Q[m][d] K[j][d];
+//   V: [n32][D/16][16 r][16 c] pairs, pair (r, c) = (V[32 kb + 2r][16 dt + c], V[32 kb + 2r + 1][16 dt + c]).
+// Zero past n in both, so padded keys add nothing.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "amx_util.h"
+#include "vec_math.h"
+
+#if defined(LEVERLAB_AMX_TILE) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define LEVERLAB_AMX_ATTN 1
+#endif
+
+bool amx_bf16_enabled();
+
+#ifdef LEVERLAB_AMX_ATTN
+namespace {
+
+constexpr int64_t kQ = 32;  // query positions per work item (two A tiles)
+constexpr int64_t kK = 32;  // keys per step of passes 1 and 3
+
+// K rows of one KV head -> packed K (see the top). k points at K[0][h][0]; rs: elements between rows.
+void pack_k(const uint16_t* k, int64_t rs, int64_t n, int64_t D, uint32_t* out) {
+  const int64_t n16 = (n + 15) / 16, dcs = D / 32;
+  for (int64_t kb = 0; kb < n16; ++kb)
+    for (int64_t dc = 0; dc < dcs; ++dc) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j) {
+        const int64_t key = 16 * kb + j;
+        r[j] = key < n ? _mm512_loadu_si512(k + key * rs + 32 * dc) : _mm512_setzero_si512();
+      }
+      amx::transpose16(r);  // r[i] lane j: key j's word i (d = 32 dc + 2i, + 1)
+      uint32_t* t = out + (kb * dcs + dc) * 256;
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(t + 16 * i, r[i]);
+    }
+}
+
+// V rows of one KV head -> packed V (see the top), n32 = ceil(n / 32) blocks of 32 keys.
+void pack_v(const uint16_t* v, int64_t rs, int64_t n, int64_t D, uint32_t* out) {
+  const int64_t n32 = (n + 31) / 32, dts = D / 16;
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t kb = 0; kb < n32; ++kb)
+    for (int64_t dt = 0; dt < dts; ++dt) {
+      uint32_t* t = out + (kb * dts + dt) * 256;
+      for (int r = 0; r < 16; ++r) {
+        const int64_t a = 32 * kb + 2 * r, b = a + 1;
+        const __m256i va = a < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + a * rs + 16 * dt)) : zero;
+        const __m256i vb = b < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + b * rs + 16 * dt)) : zero;
+        const __m512i w = _mm512_or_si512(_mm512_cvtepu16_epi32(va), _mm512_slli_epi32(_mm512_cvtepu16_epi32(vb), 16));
+        _mm512_storeu_si512(t + 16 * r, w);
+      }
+    }
+}
+
+struct Scratch {
+  std::vector<uint16_t> q;  // [kQ][D] the block's query rows, zero past n
+  std::vector<float> s;     // [kQ][Lk] scores
+  std::vector<uint16_t> p;  // [kQ][Lk] probabilities (unnormalized), bf16
+  std::vector<float> o;     // [kQ][D]
+  float inv[kQ];
+};
+
+// One work item: query head hq's positions [p0, p0 + 32) against keys [0, min(n, p0 + 32)).
+void item(const uint16_t* q, int64_t qrs, const uint32_t* kp, const uint32_t* vp, uint16_t* out, int64_t ors,
+          int64_t n, int64_t D, float scale, int64_t p0, Scratch& sc) {
+  const int64_t rows = std::min(kQ, n - p0);
+  const int64_t lk = (std::min(n, p0 + kQ) + kK - 1) / kK * kK;  // visible keys, rounded up to 32
+  // Row strides of S and P one cache line past lk: at a multiple of 4 KB the 16 rows a tile stores or loads fall
+  // in one L1 set.
+  const int64_t ss = lk + 16, ps = lk + 32;
+  const int64_t dcs = D / 32, dts = D / 16;
+  sc.q.assign(kQ * D, 0);
+  for (int64_t i = 0; i < rows; ++i) std::memcpy(sc.q.data() + i * D, q + (p0 + i) * qrs, D * 2);
+  sc.s.resize(kQ * ss);
+  sc.p.resize(kQ * ps);
+  sc.o.resize(kQ * D);
+  // 1. scores
+  for (int64_t kb = 0; kb < lk / kK; ++kb) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t dc = 0; dc < dcs; ++dc) {
+      _tile_loadd(4, sc.q.data() + 32 * dc, D * 2);
+      _tile_loadd(5, sc.q.data() + 16 * D + 32 * dc, D * 2);
+      _tile_loadd(6, kp + ((2 * kb) * dcs + dc) * 256, 64);
+      _tile_loadd(7, kp + ((2 * kb + 1) * dcs + dc) * 256, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    float* s = sc.s.data() + kb * kK;
+    _tile_stored(0, s, ss * 4);
+    _tile_stored(1, s + 16, ss * 4);
+    _tile_stored(2, s + 16 * ss, ss * 4);
+    _tile_stored(3, s + 16 * ss + 16, ss * 4);
+  }
+  // 2. softmax per row over keys [0, p0 + i]
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < kQ; ++i) {
+    uint16_t* pr = sc.p.data() + i * ps;
+    if (i >= rows) {
+      std::memset(pr, 0, lk * 2);
+      sc.inv[i] = 0.f;
+      continue;
+    }
+    const float* sr = sc.s.data() + i * ss;
+    const int64_t vis = p0 + i + 1;
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= vis; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sr + j));
+    const __mmask16 tail = static_cast<__mmask16>((1u << (vis - j)) - 1);
+    if (j < vis) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, sr + j));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax) * scale);
+    __m512 vsum = _mm512_setzero_ps();
+    for (j = 0; j + 16 <= vis; j += 16) {
+      const __m512 e = exp16_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vscale, m));
+      vsum = _mm512_add_ps(vsum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    if (j < vis) {
+      const __m512 e = _mm512_maskz_mov_ps(tail, exp16_nonpositive(_mm512_fmsub_ps(
+                                                     _mm512_maskz_loadu_ps(tail, sr + j), vscale, m)));
+      vsum = _mm512_add_ps(vsum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
+      j += 16;
+    }
+    for (; j < lk; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), _mm256_setzero_si256());
+    sc.inv[i] = 1.f / _mm512_reduce_add_ps(vsum);
+  }
+  // 3. O = P V, 32 columns of D at a time
+  for (int64_t dt = 0; dt < dts; dt += 2) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < lk / kK; ++kb) {
+      _tile_loadd(4, sc.p.data() + kb * kK, ps * 2);
+      _tile_loadd(5, sc.p.data() + 16 * ps + kb * kK, ps * 2);
+      _tile_loadd(6, vp + (kb * dts + dt) * 256, 64);
+      _tile_loadd(7, vp + (kb * dts + dt + 1) * 256, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    float* o = sc.o.data() + 16 * dt;
+    _tile_stored(0, o, D * 4);
+    _tile_stored(1, o + 16, D * 4);
+    _tile_stored(2, o + 16 * D, D * 4);
+    _tile_stored(3, o + 16 * D + 16, D * 4);
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m512 inv = _mm512_set1_ps(sc.inv[i]);
+    uint16_t* dst = out + (p0 + i) * ors;
+    for (int64_t d = 0; d < D; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(sc.o.data() + i * D + d), inv)));
+  }
+}
+
+}  // namespace
+#endif
+
+// Whether amx_fresh_attention takes this shape here: AMX-BF16 on (and permitted), D a multiple of 32.
+bool amx_attention_takes(int64_t D) {
+#ifdef LEVERLAB_AMX_ATTN
+  return amx_bf16_enabled() && D % 32 == 0 && D <= 256;
+#else
+  (void)D;
+  return false;
+#endif
+}
+
+// q [n, H, D], k and v [n, KVH, D] (rows of a prompt with no cached prefix, position i attends to 0..i), out
+// [n, H, D]; all bf16 with D contiguous. Query head hq reads KV head hq / (H / KVH).
+void amx_fresh_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor out,
+                         double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "amx_fresh_attention: bfloat16");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && out.sizes() == q.sizes() &&
+                  k.size(0) == q.size(0) && q.size(2) == k.size(2) && q.size(1) % k.size(1) == 0,
+              "amx_fresh_attention: q [n, H, D], k and v [n, KVH, D] with KVH dividing H, out like q");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && out.stride(2) == 1 &&
+                  q.stride(1) == q.size(2) && k.stride(1) == k.size(2) && v.stride(1) == v.size(2) &&
+                  out.stride(1) == out.size(2),
+              "amx_fresh_attention: heads of D contiguous elements");
+  TORCH_CHECK(amx_attention_takes(q.size(2)), "amx_fresh_attention: no AMX-BF16 here, or D not a multiple of 32");
+#ifdef LEVERLAB_AMX_ATTN
+  const int64_t n = q.size(0), H = q.size(1), KVH = k.size(1), D = q.size(2), G = H / KVH;
+  if (n == 0) return;
+  // 32-bit words per head, both padded to whole blocks of 32 keys (pass 1 reads K 32 keys at a time)
+  const int64_t kper = (n + 31) / 32 * 32 * D / 2, vper = kper;
+  std::vector<uint32_t> kp(KVH * kper), vpk(KVH * vper);
+  const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const auto* kd = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  const auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  auto* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, KVH, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) {
+      pack_k(kd + h * D, k.stride(0), n, D, kp.data() + h * kper);
+      pack_v(vd + h * D, v.stride(0), n, D, vpk.data() + h * vper);
+    }
+  });
+  const int64_t blocks = (n + kQ - 1) / kQ;
+  const float sc = static_cast<float>(scale);
+  // Items longest first (the last block of a head sees every key), so that threads end together.
+  at::parallel_for(0, H * blocks, 1, [&](int64_t b, int64_t e) {
+    _tile_loadconfig(&amx::kConfig);
+    Scratch scratch;
+    for (int64_t w = b; w < e; ++w) {
+      const int64_t hq = w % H, blk = blocks - 1 - w / H, h = hq / G;
+      item(qd + hq * D, q.stride(0), kp.data() + h * kper, vpk.data() + h * vper, od + hq * D, out.stride(0), n,
+           D, sc, blk * kQ, scratch);
+    }
+    _tile_release();
+  });
+#else
+  (void)scale;
+#endif
+}
