@@ -4,7 +4,7 @@
 // Sapphire/Emerald Rapids core, ~45 G multiply-adds a second on two cores: past a few rows a decode step computes
 // for longer than it reads its weights. One TDPBF16PS multiplies a 16 x 32 block of W by 32 x 16 of x in ~16
 // cycles, ~1,000 multiply-adds a cycle, so on tiles a step stays a memory stream up to 32 rows. Measured on a
-// 2-vCPU Xeon with AMX (session 42; a pass over the Qwen3-0.6B shape's 112 layer matrices, 0.9 GB, two threads,
+// 2-vCPU Xeon with AMX (a pass over the Qwen3-0.6B shape's 112 layer matrices, 0.9 GB, two threads,
 // best of 5): 16 rows 118-161 ms on the streaming kernel, 67-90 on aten's (oneDNN, AMX too, but repacking W per
 // call), 41-42 here; 1 row 63-67 streaming, 41-44 here; 32 rows 295-308, 75-102, 49-52.
 //
@@ -43,7 +43,7 @@ constexpr int64_t kBlock = 32;    // weight rows per inner loop: two A tiles
 constexpr int64_t kDepth = 32;    // bf16 elements of K per tile row (64 bytes)
 
 // Whether linear_bf16 takes its rows here: built for it, the OS grants the tiles, and not switched off
-// (set_amx_bf16(false): layers/cpu_kernels.py does so at load under LEVERLAB_NO_AMX=1, A/B runs in one process).
+// (set_amx_bf16(false): kernels/cpu_kernels.py does so at load under LEVERLAB_NO_AMX=1, A/B runs in one process).
 std::atomic<bool>& enabled() {
 #ifdef LEVERLAB_AMX_BF16
   static std::atomic<bool> on{amx::permitted()};

@@ -3,7 +3,7 @@
 // Why: quantized layers run their batched rows (prefill chunks, and decode batches past the streaming kernels'
 // crossover) through an int8 GEMM over an int8 copy of the weight (quant/int8_gemm.py). fbgemm's is AVX-512 VNNI,
 // ~64 multiply-adds per cycle per core; one AMX TDPBSSD does 16 x 16 x 64 in ~16 cycles, 1,024 per cycle. On a
-// 2-vCPU Xeon with AMX (session 41) fbgemm ran the Qwen3-0.6B shape's layer GEMMs at 1,024 rows at ~185 G
+// 2-vCPU Xeon with AMX, fbgemm ran the Qwen3-0.6B shape's layer GEMMs at 1,024 rows at ~185 G
 // multiply-adds per second, oneDNN's AMX bf16 matmul at ~310, while a plain tile loop here ran 650-1,300: so an
 // int8 or int4 model prefilled at half the rate of the same model in bf16.
 //
@@ -14,8 +14,8 @@
 // (row r of a tile holds k = 4r .. 4r + 3 of 16 activation rows, the VNNI order TDPBSSD reads), Mp a multiple of
 // 32, zero past M. Each step of the inner loop multiplies 32 weight rows by 32 activation rows: two A tiles, two B
 // tiles, four C tiles of int32 sums (|sum| <= K * 127 * 127 fits int32 for K < 133,000).
-// Why the weight is A (session 42): session 41 held it as B tiles (16 columns' 64 bytes of K in VNNI order, a tile
-// 1 KB contiguous). A pass over the Qwen3-0.6B shape's 112 matrices, both layouts alternating in one process (two
+// Why the weight is A: it had been held as B tiles (16 columns' 64 bytes of K in VNNI order, a tile 1 KB
+// contiguous). A pass over the Qwen3-0.6B shape's 112 matrices, both layouts alternating in one process (two
 // threads, medians of 8): 1 row 53.4 -> 36.3 ms in a busy spell, 29.9 -> 23.1 in a quiet one; 16 rows 58.6 -> 41.2
 // and 33.3 -> 25.2; 256 rows 310 -> 212; 32 rows 65.0 -> 67.1 (slower, left); 1,024 rows level.
 #include <torch/extension.h>

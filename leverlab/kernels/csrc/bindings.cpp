@@ -1,4 +1,4 @@
-// One extension module for our CPU kernels (built by leverlab/layers/cpu_kernels.py).
+// One extension module for our CPU kernels (built by leverlab/kernels/cpu_kernels.py).
 #include <torch/extension.h>
 
 #include "stream_hint.h"

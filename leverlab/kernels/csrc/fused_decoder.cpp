@@ -38,11 +38,11 @@ namespace {
 
 // Where a step's time goes (scripts/profile_step.py): wall time per phase, summed over the layers and the steps,
 // taken only while switched on (FusedDecoder.set_phase_timing), so that otherwise a phase costs one untaken branch.
-// Why built in: sessions 29-31 each added such timers by hand to find where an int4 step's time went, then removed
-// them. Phases, in a step's order: norms (the step's input tensors and embedding lookup, every RMS norm, EAGLE's
-// feature copies), qkv, rope (q/k norms and rotary), attention (paged_decode, with the new K/V's write), o (with its
-// residual add), gate_up, act (SiLU times up), down (with its residual add), head (the output head's logits and
-// their argmax).
+// Why built in: three rounds of work each added such timers by hand to find where an int4 step's time went, then
+// removed them. Phases, in a step's order: norms (the step's input tensors and embedding lookup, every RMS norm,
+// EAGLE's feature copies), qkv, rope (q/k norms and rotary), attention (paged_decode, with the new K/V's write), o
+// (with its residual add), gate_up, act (SiLU times up), down (with its residual add), head (the output head's logits
+// and their argmax).
 enum Phase : int { kNorms, kQkv, kRope, kAttention, kO, kGateUp, kAct, kDown, kHead, kPhases };
 constexpr const char* kPhaseNames[kPhases] = {"norms", "qkv", "rope", "attention", "o", "gate_up", "act", "down",
                                               "head"};

@@ -71,16 +71,16 @@ inline const float* as_float<c10::BFloat16>(const c10::BFloat16* src, float* buf
 constexpr int64_t kAhead = 8;
 // The int8 cache's integer path (item_q8_vnni) spends ~20 ns a position where the float loops spent ~50, so 8
 // positions ahead no longer covered a memory latency: 32 read 1.2x faster than 8 over the bundled model's 16 x 1,000
-// cold cache, and 16 or 32 the same over the 0.6B shape's (1.5x; 64 slower there). Session 27, a Zen 4, one thread.
+// cold cache, and 16 or 32 the same over the 0.6B shape's (1.5x; 64 slower there). A Zen 4, one thread.
 constexpr int64_t kAheadQ8 = 32;
 // The bf16 cache's AVX-512 path (item_bf16): 16 positions ahead read 1.03-1.05x faster than 8 in each of four
 // cold cases (the bundled model's heads at 16 x 1,000 tokens; the 0.6B shape's at 16 x 1,000, and one sequence of
-// 160 and of 1,000 over 28 layers, two threads); 32 gained 0-8%, once nothing. Session 27, in one process.
+// 160 and of 1,000 over 28 layers, two threads); 32 gained 0-8%, once nothing. In one process.
 constexpr int64_t kAheadBf16 = 16;
 
 // The scores pass requests its rows into L2 (PREFETCHT1), not L1 (T0): a standalone harness over the 0.6B shape's
 // 28 layers of bf16 cache, one sequence, two threads, 13 MB of other reads between layers as a step's weights
-// (session 22, a Zen 4): T0 8 positions ahead read the cold cache at 11-15 GB/s, T1 or T2 at 16-20, as fast as a
+// (a Zen 4): T0 8 positions ahead read the cold cache at 11-15 GB/s, T1 or T2 at 16-20, as fast as a
 // plain read of the same rows (14-20); the distance (8 or 16 positions, 1, 2 or 4 blocks) mattered less. The V
 // pass, which meets rows this pass already brought into L2, keeps T0 (prefetch_row_l1) to bring them nearer.
 inline void prefetch_row(const void* p, int64_t bytes) {
@@ -456,7 +456,7 @@ void item_bf16(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, uint1
 // never read, and its probability zeroed after the softmax, so that the value pass runs every row over the same
 // positions: adding 0 * v leaves a sum unchanged.
 // Measured on a Zen 1, the 0.6B shape's heads (8 KV heads, GQA 2, D = 128), 28 layers, one sequence: see
-// docs/quantization.md (session 34).
+// docs/engine.md (CPU kernels, AVX2 + FMA).
 constexpr int64_t kVTile = 32;
 // The scores pass requests K rows this many positions ahead: a position costs its two rows ~30 cycles here, so
 // the 8 of kAhead gave a miss ~100 ns of warning, about its latency (16, with the values pass's requests above:
@@ -507,10 +507,10 @@ inline void scores_block(const uint16_t* const* krow, const float* qf0, const fl
 // is D / 32 lines, one per pass); item_bf16 requests the first tile's rows before the first pass.
 // The scores pass requests only K: V rows it had requested too were evicted again before this pass at long
 // contexts (a head's K and V of 1,000 positions are 512 KB, this machine's whole L2 per core) and took bandwidth
-// from K's. Session 36 had the first pass over a tile request whole rows 16 positions ahead, measured 1.12-1.16x
+// from K's. Before, the first pass over a tile requested whole rows 16 positions ahead, measured 1.12-1.16x
 // over none on the Zen 1 machine type; but a first pass runs a position in ~8 cycles, so 16 positions were ~50 ns
 // of warning for a ~100 ns miss, and the four lines of each row came due at once, while the tile's other three
-// passes (which read L1) requested nothing. Session 40, the same machine type (28 layers of the 0.6B shape's
+// passes (which read L1) requested nothing. Measured now on the same machine type (28 layers of the 0.6B shape's
 // heads, head-major blocks in huge pages, scattered, two threads, 8 MB of other reads before each layer, old and
 // new alternating in one process, paired medians; with the scores pass's distance below): one sequence of 1,000
 // tokens 1.12x, of 160 tokens 1.05x, 16 sequences of 1,000 1.16x, of 160 1.13x.
@@ -703,7 +703,7 @@ void item_q8(const T* qp, const int8_t* kp, const int8_t* vp, const float* ksc, 
 //           stay in L1 for the next 32 elements; each group's int32 sums are scaled into float32 ones.
 // On a Zen 1 (256-bit ops in two halves) vpmaddwd's 16 products take the one multiply pipe what two FMAs' take two,
 // so the gain over the bf16 cache is the bytes and the fewer widening ops: attention alone, see docs/quantization.md
-// (session 35).
+// (its KV-cache section).
 // Bounds: a score lane sums at most D / 8 pair products of 32767 * 127 * 2 (and the tree D of them: under 2^31 for
 // D <= 256); a value lane at most 32 positions' products (32 * 32767 * 127 < 2^28).
 // Float32 activations keep item_q8, where the tests hold the int8 cache to 1e-5 of the gather path.
@@ -1014,7 +1014,7 @@ void item_q8_512(const T* qp, const int8_t* kp, const int8_t* vp, const float* k
 //   values: per row the probabilities times the rows' V scales, quantized to int16 in groups of 32 positions
 //           (a scale each), and two positions' V rows interleaved as int16 pairs, so one vpdpwssd adds both
 //           positions' products for 16 elements of a row; each group's int32 sums are scaled into float32 ones.
-// Attention alone over 8 layers of 16 x 1,000 tokens, cold (a Zen 4, one thread, session 27): the bundled model's
+// Attention alone over 8 layers of 16 x 1,000 tokens, cold (a Zen 4, one thread): the bundled model's
 // heads 4.5-5.0 ms a step where item_q8_512 took 8.2-8.9 and the bf16 cache's item_bf16 6.5-7.3 (1.4x it in the
 // same run); the 0.6B shape's heads 1.5x item_bf16 (they were 1.3x with item_q8_512). Within the
 // output's bfloat16 rounding of float32 math (tests/quant/test_kv_cache.py). The float32 path (item_q8_512) stays

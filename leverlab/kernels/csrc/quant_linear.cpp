@@ -51,7 +51,7 @@ namespace {
 // Per-thread scratch for the widened or quantized activations: no allocation per call on the decode path.
 // 64-byte aligned (a vector's data is only 16-byte aligned), so that the kernels' 512-bit loads of x never
 // straddle two cache lines: in a standalone harness (hot, one process) the int4 single stream ran ~1.2x slower
-// with x 16 or 48 bytes past a line than at 0 or 32, and a vector drew its offset once per process (session 21).
+// with x 16 or 48 bytes past a line than at 0 or 32, and a vector drew its offset once per process.
 template <typename E>
 E* scratch(std::vector<E>& v, size_t n) {
   constexpr size_t kPad = 64 / sizeof(E);
@@ -370,7 +370,7 @@ inline void u4_rows(const uint8_t* w, int64_t K, const at::Half* ss, const at::H
     // The pair of blocks at b into accumulator u. u is a template argument: indexed at run time (u ^= 1 after
     // each pair, as this had been), the accumulators lived on the stack and every FMA waited on the store and
     // reload of the one before it. In registers: 1.05-1.13x over the 0.6B shape's MLP matrices on a Zen 3, one
-    // thread, hot or streamed from memory; 1.07x with two threads (both builds in one process, session 13).
+    // thread, hot or streamed from memory; 1.07x with two threads (both builds in one process).
     auto pair = [&]<int u>(int64_t b) {
       const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>((b >> gshift) & 7)), pair_lanes);
       const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qp + b * 32));
@@ -440,10 +440,10 @@ inline void load_u6_pair(const uint8_t* quad, __m256i& lo, __m256i& hi) {
 // half, then one vpmaddwd; int6's pair sums leave no room to add in int16, so a vpmaddwd per pair, then three
 // vphaddd. Per four pairs that is three horizontal adds in place of three conversions, three broadcasts and three
 // FMAs (int4: and three vpmaddwd).
-// Measured on a Zen 1, two threads. Session 32, the multipliers made first and one pair at a time, against
-// u4_rows<1>: whole int4 decodes 1.24x (paired median of 8, same tokens). Session 33, four pairs at a time against
-// that: the 0.6B shape's int4 body read from memory (112 matrices, alternating in one process, paired median of
-// 12) 1.09x, whole int4 decodes 1.09x (paired median of 8).
+// Measured on a Zen 1, two threads. First the multipliers made up front and one pair at a time, against
+// u4_rows<1>: whole int4 decodes 1.24x (paired median of 8, same tokens); then four pairs at a time against that:
+// the 0.6B shape's int4 body read from memory (112 matrices, alternating in one process, paired median of 12)
+// 1.09x, whole int4 decodes 1.09x (paired median of 8).
 //
 // IL: int4's interleaved rows (pack_int4_interleaved, x in interleave_rows' order): each 32-byte vector of a
 // 128-byte step holds 8 bytes of each of the step's four groups, so that a vpmaddubsw's int16 lanes 2i, 2i + 1
@@ -539,7 +539,7 @@ template <int PF, bool SIX, bool IL>
 // as eight outputs. A function of its own, every pointer an argument and the rows inlined into it: before, with
 // u4_row_g64x4 a call per row, a 1,024-wide int4 row paid a call, a vzeroupper and a horizontal sum of its own
 // (1-thread hot harness: ~132 -> ~117 tsc a row of 4,096 x 1,024).
-// Measured on this Zen 1 (session 39; the 0.6B shape's 28 layers of int4 body and its int6 head, read from
+// Measured on this Zen 1 (the 0.6B shape's 28 layers of int4 body and its int6 head, read from
 // memory, old and new kernels alternating in one process, paired medians of 10-18): two threads, body 1.02-1.05x,
 // head 1.03-1.08x; one thread body 1.06x, head 1.09x.
 template <int PF, bool SIX, bool IL, typename T>
@@ -670,7 +670,7 @@ __attribute__((always_inline)) inline __m512i u4_quad_dot(const uint8_t* wr, int
 // converted as the row reaches them, and a quad's are picked from it by one vpermps. A whole chunk of 16 groups
 // (4 GS quads) is unrolled, so that the permutation is a constant per quad: computing it per quad (the lanes'
 // block numbers, shifted by the group size) had been 3 of ~13 ops, and the unrolled chunk ran 1.5-1.7x as many
-// weights per second hot in L2 (standalone harness, K = 1024 and 3072, session 10). A partial last chunk (G not a
+// weights per second hot in L2 (standalone harness, K = 1024 and 3072). A partial last chunk (G not a
 // multiple of 16) takes the same quads with the permutation computed; blocks past the last whole quad (K / 32
 // not a multiple of 4) are summed in scalar code. gsum: G rounded up to 16, zero past G. SIX: an int6 row (whole
 // quads only: the caller checked K % 128 == 0).
@@ -753,7 +753,7 @@ inline void i8_pair_512(const int8_t* wr, const QuantizedRows& x, const float* s
 
 // Two accumulators, named: indexed by a run-time toggle (acc[u], u ^= 1) gcc kept them on the stack and each FMA
 // waited on the previous one's store and reload (perf annotate on a Zen 5: 13% of the kernel's samples on that
-// store). One thread, in one process against it (session 14, a Zen 5): 28 -> 60-70 G weights/s hot in the caches,
+// store). One thread, in one process against it (a Zen 5): 28 -> 60-70 G weights/s hot in the caches,
 // and the 0.6B shape's int8 head read from memory at 26 -> 31-33 GB/s (the machine reads ~40 with one thread).
 __attribute__((always_inline)) inline __m512 i8_row_512(const int8_t* wr, const QuantizedRows& x, const float* sp2) {
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
@@ -1520,8 +1520,8 @@ inline void store16(T* y, __m512 v) {
 // sums one row's products and a group ends with 16 rows' dot products in one vector. The scales then apply
 // once per group and x-span for all 16 rows (a conversion and an FMA), there is no horizontal sum and no
 // per-quad scale permute: ~5 ops per 128 weights where the quads (u4_row_512) take ~12. Why it matters: the
-// quads, streamed from memory, took about their time hot plus the memory's (session 23), and a standalone pass
-// over the 0.6B shape's int4 body (session 25: 112 matrices, huge pages, 40 rounds alternating) ran hot 1.6x
+// quads, streamed from memory, took about their time hot plus the memory's, and a standalone pass
+// over the 0.6B shape's int4 body (112 matrices, huge pages, 40 rounds alternating) ran hot 1.6x
 // the quads' rate and from memory 1.1x with two threads (~90% of a plain read's rate), ~1.25x with one.
 //
 // Activation rows m0 .. m0 + MG against panel p: out[m] gets the 16 rows' sums (zero points included, no bias).
@@ -1533,7 +1533,7 @@ inline void store16(T* y, __m512 v) {
 // reloaded the pointer after every store of `out`, and kept `out` in memory), and each group's lines are prefetched
 // at its start, the kind tested once. Per 128 weights that is a load, two ANDs, two broadcasts and two vpdpbusd.
 // Against the previous loop (a shift per vector, x as one 8-byte load split in general registers, a prefetch and
-// its kind's test per vector; session 28, a Zen 4, one thread, in one process, the same bits): int4 hot in L2/L3
+// its kind's test per vector; a Zen 4, one thread, in one process, the same bits): int4 hot in L2/L3
 // 1.34-1.40x (the 0.6B shape's gate_up rows, 295 KB-3.5 MB: 14.7 -> 10.7 us at 1,024 rows), int6 1.17x; whole
 // int4 decodes in a slow spell of the machine's memory (where the stream, not the arithmetic, sets the pace)
 // 1.03x, paired medians over 10 generations.
@@ -1567,11 +1567,11 @@ __attribute__((always_inline)) inline void panel_unpack(const uint8_t* pv, __m51
 }
 
 // The non-temporal kind's distance for the panels: 4 KB, about seven int4 groups ahead, where the other kernels
-// request 1 KB. Measured on a Zen 4 (session 30; the int4 0.6B shape's greedy decodes, 128 tokens after 128, in one
+// request 1 KB. Measured on a Zen 4 (the int4 0.6B shape's greedy decodes, 128 tokens after 128, in one
 // process with the distance switched per generation, paired medians of 8-10): 1 KB 1.00, 2 KB 1.03, 3 KB 1.04,
 // 4 KB 1.05-1.07 (four runs, fast and slow spells of the memory), 6 KB 1.05, 8 KB 1.04, 16 KB 1.02, 32 KB 0.98;
 // of 4 KB's 1.05, the int4 body took 1.03 and the int6 head 1.01. T0 4 KB ahead (the t0 kind): 1.01. The bf16 and
-// int8 kernels lost with it (0.96 and 0.92 against their measured kinds) and keep 1 KB. (Session 27's loop, a
+// int8 kernels lost with it (0.96 and 0.92 against their measured kinds) and keep 1 KB. (An earlier loop, a
 // prefetch per vector, had lost with 2 and 4 KB: 0.87x, 0.89x; requesting a group's lines at once changed that.)
 constexpr int64_t kPanelNtaAhead = 4096;
 

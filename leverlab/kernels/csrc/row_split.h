@@ -3,7 +3,7 @@
 // Why: at::parallel_for gives each thread a fixed share of the rows, so each of a decode step's ~140 parallel
 // regions lasts as long as its slowest share, and the shares do not take the same time (a thread that joins late,
 // memory that serves one core's stream slower for a while). Measured (perf over an int4 decode of the 0.6B shape,
-// two threads, session 23): the worker thread spent 24% of its time waiting in libgomp, the main thread 10%, where
+// two threads): the worker thread spent 24% of its time waiting in libgomp, the main thread 10%, where
 // the main thread's own serial work between regions (norms, rotary, activation quantization, Python) took ~13%.
 //
 // Here each thread still reads its own contiguous share front to back (one sequential stream per thread, what the

@@ -208,7 +208,7 @@ inline __m512bh load_bf16(const uint16_t* p, __mmask32 mask) {
 // Each weight line's software prefetch is of the kind the loader measured for this model (stream_hint.h's
 // prefetch_as, the kind a template argument, chosen once per call in linear() below); the T0 kind runs `Prefetch`
 // elements ahead (the distance of a sweep per row count, made on a Xeon where T0 prefetches paid). Why the kind is
-// measured here too: on a Zen 4 (session 17, a standalone pass over the Qwen3-0.6B shape's 113 matrices, two
+// measured here too: on a Zen 4 (a standalone pass over the Qwen3-0.6B shape's 113 matrices, two
 // threads, 8 interleaved rounds, median) one row read at 42 GB/s with T0 2 KB ahead, 40-42 with nta and 48-50
 // with no software prefetch at all, beside 43-47 for a plain read loop.
 // Output column n for M activation rows: the dot products of row n of W with each row of x. U independent
@@ -300,11 +300,11 @@ void columns(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t n0, int6
 // Weight rows n0 .. n1 for M <= 8 activation rows: up to 4 rows one weight row at a time, with the unrolling and
 // prefetch distance (elements) of the best of a sweep per row count (scripts/bench_linear.py); from 5 rows on
 // weight rows in pairs (column_pair: 1.06-1.16x at 6-16 rows on the Qwen3-0.6B shape's matrices, two threads,
-// a Xeon, session 10).
+// a Xeon).
 // The measured prefetch mode governs up to 3 rows, where the step is a memory stream. From 4 rows on the loop
 // has enough arithmetic per line that it and the memory stream take turns unless the lines are asked for well
 // ahead, and a prefetch into L2 (PREFETCHT1) does that where T0, NTA and the hardware prefetchers alone did not:
-// on a Zen 4 (session 24, bf16 0.6B shape, two threads, whole decodes in one process with the kinds alternating,
+// on a Zen 4 (bf16 0.6B shape, two threads, whole decodes in one process with the kinds alternating,
 // paired medians of 6) sixteen sequences decoded 1.23x faster with L2 16 KB ahead than with T0 8 KB ahead (the
 // kind here before; 32 KB: 1.26x, PREFETCHT2 16 KB: 1.19x), eight 1.40x (L2 32 KB ahead), four 1.36x (L2 4 KB
 // ahead against the measured mode, off); but three 0.95x and two 0.82x, so those keep the mode. A standalone pass
@@ -361,7 +361,7 @@ void linear(const torch::Tensor& x, const torch::Tensor& w, const float* bias, t
 
 // Rows are taken in groups (4 with AVX2, 8 with AVX-512 or AVX-512 BF16), each weight row re-read from L1 for the
 // next group, so past a few rows the kernel is a compute-bound GEMM; it stays ahead of aten's bf16 GEMM up to this
-// many (with AVX-512 BF16: 1.2x oneDNN's at 16 rows, 1.0x at 32; scripts/bench_linear.py, session 10).
+// many (with AVX-512 BF16: 1.2x oneDNN's at 16 rows, 1.0x at 32; scripts/bench_linear.py).
 #if LEVERLAB_SKINNY_WIDEN  // (AVX-512 BF16 implies AVX2 + FMA)
 bool has_skinny_linear() { return true; }
 int64_t skinny_max_rows() { return 32; }

@@ -6,16 +6,16 @@
 //    so a stream larger than the caches does not displace the rest of the step's working set (the engine's Python,
 //    the KV cache, the activations): 8-20% faster per decode step on a Zen 3 (scripts/profile_step.py, interleaved
 //    runs).
-//  - ahead (PREFETCHT0, 4 KB ahead): on an Intel Xeon (Sapphire/Emerald Rapids, session 10) the quantized kernels
+//  - ahead (PREFETCHT0, 4 KB ahead): on an Intel Xeon (Sapphire/Emerald Rapids) the quantized kernels
 //    had stalled on memory for every line, their arithmetic and the memory stream taking turns instead of
 //    overlapping: one core read int4 weights at 7.6 GB/s without a prefetch, 8.2 non-temporally and 12.3 with
 //    T0 4 KB ahead, of the 14.6 GB/s it reads with torch.sum (a standalone harness over 120 MB of 4096 x 1024
 //    int4 matrices). 1 KB ahead gave 10.6, 8 KB 12.5.
 //  - off: on that same Xeon, whose L3 is a victim cache, non-temporal lines skip L3, and a model that fits
-//    there was re-read from memory every step (the bundled model 1.6x slower with NTA; session 8). And on a
-//    Zen 4 (session 17) the hardware prefetchers alone streamed fastest: a bf16 0.6B-shaped single stream
+//    there was re-read from memory every step (the bundled model 1.6x slower with NTA). And on a
+//    Zen 4 the hardware prefetchers alone streamed fastest: a bf16 0.6B-shaped single stream
 //    1.13-1.15x, int8 1.24x against nta (in one process, modes alternating).
-//  - into L2 (PREFETCHT1, 4 KB ahead): on a Zen 4 (session 22) decode attention read its cold KV cache 1.3-1.45x
+//  - into L2 (PREFETCHT1, 4 KB ahead): on a Zen 4 decode attention read its cold KV cache 1.3-1.45x
 //    faster with T1 than with T0 (paged_decode.cpp). For weights only by hand (LEVERLAB_STREAM_PREFETCH=l2): the
 //    loader does not time it, since there whole int4 decodes ran slower with it than with nta although a pass
 //    over the linears alone ran faster (layers/prefetch_tune.py).
@@ -24,7 +24,7 @@
 // reads the kind at each call.
 //
 // Each kernel family has its own mode, because one model can stream through two families whose best kinds differ:
-// an int4 model's output head is int8 (quant/registry.py), and on a Zen 4 (session 18) the int4 body streamed
+// an int4 model's output head is int8 (quant/registry.py), and on a Zen 4 the int4 body streamed
 // fastest with nta (a pass 10.8 ms, off 11.9) while the int8 head did without a prefetch (3.6 ms, nta 4.6).
 #pragma once
 #include <cstdint>
