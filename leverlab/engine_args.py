@@ -50,7 +50,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default=None)
     g.add_argument("--lm-head-quantization", default=None, choices=("auto", "none", "int8", "int6", "same"),
                    help="the output head's precision: auto (int8 with --quantization int8; int6 with int4 on CPUs "
-                   "with AVX-512 VNNI, else int8; the model dtype otherwise), none (the model dtype), int8, int6, "
+                   "with AVX-512 VNNI or AVX2, else int8; the model dtype otherwise), none (the model dtype), int8, int6, "
                    "or same (the --quantization method's own)")
     g.add_argument("--speculative-config", type=_json_object, default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')

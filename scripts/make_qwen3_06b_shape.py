@@ -5,6 +5,7 @@ Usage: python scripts/make_qwen3_06b_shape.py [OUT_DIR]   (default .cache/qwen3-
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -45,4 +46,8 @@ def make(out: Path) -> Path:
 
 
 if __name__ == "__main__":
-    print(make(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / ".cache" / "qwen3-0.6b-shape"))
+    # argparse, not sys.argv: `--help` had been taken for the output folder and a folder of that name written.
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", nargs="?", type=Path, default=ROOT / ".cache" / "qwen3-0.6b-shape",
+                    help="output folder (default .cache/qwen3-0.6b-shape; skipped if it holds a config.json)")
+    print(make(ap.parse_args().out))
