@@ -75,6 +75,31 @@ void pack_v(const uint16_t* v, int64_t rs, int64_t n, int64_t D, uint32_t* out) 
     }
 }
 
+// c [32][ldc] float32 (its first 32 columns) = sum over `steps` of two A tiles (rows 0-15 and 16-31 of a, ld
+// elements between rows, a_step elements between steps) times two B tiles (b0 and b1, b_step words between steps):
+// the 2 x 2 blocking both passes run (two A and two B tiles against four C tiles: all eight tiles).
+inline void product_2x2(const uint16_t* a, int64_t ld, int64_t a_step, const uint32_t* b0, const uint32_t* b1,
+                        int64_t b_step, int64_t steps, float* c, int64_t ldc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t i = 0; i < steps; ++i) {
+    _tile_loadd(4, a + i * a_step, ld * 2);
+    _tile_loadd(5, a + 16 * ld + i * a_step, ld * 2);
+    _tile_loadd(6, b0 + i * b_step, 64);
+    _tile_loadd(7, b1 + i * b_step, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, ldc * 4);
+  _tile_stored(1, c + 16, ldc * 4);
+  _tile_stored(2, c + 16 * ldc, ldc * 4);
+  _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+}
+
 struct Scratch {
   std::vector<uint16_t> q;  // [kQ][D] the block's query rows, zero past n
   std::vector<float> s;     // [kQ][Lk] scores
@@ -97,28 +122,10 @@ void item(const uint16_t* q, int64_t qrs, const uint32_t* kp, const uint32_t* vp
   sc.s.resize(kQ * ss);
   sc.p.resize(kQ * ps);
   sc.o.resize(kQ * D);
-  // 1. scores
-  for (int64_t kb = 0; kb < lk / kK; ++kb) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t dc = 0; dc < dcs; ++dc) {
-      _tile_loadd(4, sc.q.data() + 32 * dc, D * 2);
-      _tile_loadd(5, sc.q.data() + 16 * D + 32 * dc, D * 2);
-      _tile_loadd(6, kp + ((2 * kb) * dcs + dc) * 256, 64);
-      _tile_loadd(7, kp + ((2 * kb + 1) * dcs + dc) * 256, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    float* s = sc.s.data() + kb * kK;
-    _tile_stored(0, s, ss * 4);
-    _tile_stored(1, s + 16, ss * 4);
-    _tile_stored(2, s + 16 * ss, ss * 4);
-    _tile_stored(3, s + 16 * ss + 16, ss * 4);
-  }
+  // 1. scores: rows of Q (D / 32 tiles of 32 d each) against K's tiles of the block's two groups of 16 keys
+  for (int64_t kb = 0; kb < lk / kK; ++kb)
+    product_2x2(sc.q.data(), D, 32, kp + 2 * kb * dcs * 256, kp + (2 * kb + 1) * dcs * 256, 256, dcs,
+                sc.s.data() + kb * kK, ss);
   // 2. softmax per row over keys [0, p0 + i]
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < kQ; ++i) {
@@ -152,28 +159,10 @@ void item(const uint16_t* q, int64_t qrs, const uint32_t* kp, const uint32_t* vp
     for (; j < lk; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), _mm256_setzero_si256());
     sc.inv[i] = 1.f / _mm512_reduce_add_ps(vsum);
   }
-  // 3. O = P V, 32 columns of D at a time
-  for (int64_t dt = 0; dt < dts; dt += 2) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t kb = 0; kb < lk / kK; ++kb) {
-      _tile_loadd(4, sc.p.data() + kb * kK, ps * 2);
-      _tile_loadd(5, sc.p.data() + 16 * ps + kb * kK, ps * 2);
-      _tile_loadd(6, vp + (kb * dts + dt) * 256, 64);
-      _tile_loadd(7, vp + (kb * dts + dt + 1) * 256, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    float* o = sc.o.data() + 16 * dt;
-    _tile_stored(0, o, D * 4);
-    _tile_stored(1, o + 16, D * 4);
-    _tile_stored(2, o + 16 * D, D * 4);
-    _tile_stored(3, o + 16 * D + 16, D * 4);
-  }
+  // 3. O = P V, 32 columns of D at a time: rows of P (32 keys a tile) against V's tiles of those columns
+  for (int64_t dt = 0; dt < dts; dt += 2)
+    product_2x2(sc.p.data(), ps, kK, vp + dt * 256, vp + (dt + 1) * 256, dts * 256, lk / kK, sc.o.data() + 16 * dt,
+                D);
   for (int64_t i = 0; i < rows; ++i) {
     const __m512 inv = _mm512_set1_ps(sc.inv[i]);
     uint16_t* dst = out + (p0 + i) * ors;

@@ -1302,7 +1302,7 @@ void item_tiled(const T* qp, const C* kp, const C* vp, const float* ksc, const f
 #endif
 
 // T: q and out; C: the cache's elements (T, or int8 with ksc/vsc its scales [num_blocks * block_size * KVH]).
-// done (or null): sequences whose rows of `out` are already written (fresh_spans_sdpa), skipped here.
+// done (or null): sequences whose rows of `out` are already written (fresh_spans), skipped here.
 template <typename T, typename C>
 void spans_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const float* ksc,
                 const float* vsc, const at::Tensor& block_tables, const at::Tensor& seq_lens, const int64_t* qsl,
@@ -1384,7 +1384,7 @@ void spans_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 // stays for other head sizes.
 constexpr int64_t kMinSdpaSpan = 64;
 
-std::vector<char> fresh_spans_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+std::vector<char> fresh_spans(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const int64_t* lens, const int64_t* qsl, int64_t B, double scale, int64_t window,
                                    at::Tensor& out) {
   std::vector<char> done(B, 0);
@@ -1462,7 +1462,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
     } else {
       write_new_kv<scalar_t>(kc, vc, k_cache, v_cache, slots);
       const std::vector<char> done =
-          fresh_spans_sdpa(qc, kc, vc, sl.data_ptr<int64_t>(), starts, sl.size(0), scale, window, out);
+          fresh_spans(qc, kc, vc, sl.data_ptr<int64_t>(), starts, sl.size(0), scale, window, out);
       spans_impl<scalar_t, scalar_t>(qc, k_cache, v_cache, nullptr, nullptr, bt, sl, starts, scale, window, out,
                                      done.data());
     }
