@@ -32,8 +32,9 @@ from leverlab import env
 log = logging.getLogger("leverlab")
 SRC = Path(__file__).parent / "csrc"
 NAME = "leverlab_cpu_kernels"
-SOURCES = ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp", "quant_linear.cpp", "fused_decoder.cpp",
-           "amx_int8.cpp", "amx_bf16.cpp", "amx_attention.cpp")
+# Every .cpp in csrc/ is one translation unit of the module: a new kernel file is built by being there, not by
+# also being named in a list here.
+SOURCES = tuple(sorted(f.name for f in SRC.glob("*.cpp")))
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 DONE = "leverlab.built"  # written after a build succeeded: the folder's library is complete

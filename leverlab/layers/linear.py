@@ -50,9 +50,13 @@ class Linear(nn.Module):
     def use(self, method: QuantMethod | None) -> None:
         """Run through `method` (None: the unquantized default), with a fresh copy of the runtime state it
         declares; the method's create_weights comes next (models/loader.py: attach_quant_method)."""
-        self.quant_method = method  # None: plain float weights
         self.method = method if method is not None else UNQUANTIZED
         self.kernel_state = self.method.new_state()
+
+    @property
+    def quant_method(self) -> QuantMethod | None:
+        """The quantization method this layer runs through; None: plain float weights."""
+        return None if self.method is UNQUANTIZED else self.method
 
     def load(self, kind: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         """Copy one checkpoint tensor (`kind` is "weight" or "bias") into its rows of the packed parameter."""
