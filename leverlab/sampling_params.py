@@ -12,6 +12,10 @@ class SamplingParams:
     temperature == 0 means greedy. top_k <= 0 and top_p == 1.0 disable those filters.
     `logprobs=N` returns, for every generated token, the chosen token's logprob plus the top-N;
     `prompt_logprobs=N` does the same for every prompt token after the first.
+    The logits controls are vLLM's, with its names, ranges and order (worker/logits_processors.py):
+    allowed_token_ids (only these may be picked), bad_words (never produce these words; the engine tokenizes
+    them), logit_bias ({token id: bias}, clamped to [-100, 100]), repetition_penalty (prompt and output tokens),
+    frequency_penalty / presence_penalty (output tokens), then min_p after temperature.
     Invalid values raise ValueError with a message that says what to fix.
     """
 
@@ -29,8 +33,18 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # bad_words as token-id sequences: filled by the engine, which has the tokenizer (resolve_bad_words)
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     MAX_LOGPROBS = 20
+    MAX_BAD_WORDS = 128  # token sequences after tokenizing (vLLM's VLLM_MAX_NUM_BAD_WORDS default)
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, (int, float)) and 0 < self.temperature < 1e-5:
@@ -65,7 +79,84 @@ class SamplingParams:
             raise ValueError("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        self._check_logits_controls()
+
+    def _check_logits_controls(self) -> None:
+        """vLLM's ranges for the logits controls; logit_bias keys become ints and values are clamped."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number greater than 0, got {self.repetition_penalty!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.logit_bias is not None:
+            bias = {}
+            for k, v in dict(self.logit_bias).items():
+                try:
+                    tid = int(k)  # OpenAI sends the ids as JSON object keys: strings
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+                if tid < 0 or isinstance(k, bool):
+                    raise ValueError(f"logit_bias keys must be non-negative token ids, got {k!r}")
+                if not _is_number(v) or v != v or v in (float("inf"), float("-inf")):
+                    raise ValueError(f"logit_bias values must be finite numbers, got {v!r}")
+                bias[tid] = min(100.0, max(-100.0, float(v)))  # OpenAI's and vLLM's clamp
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (omit it to allow every token)")
+            if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be non-negative integers")
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str):
+                self.bad_words = [self.bad_words]
+            if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                raise ValueError("bad_words must be a list of non-empty strings")
+            self.bad_words = list(self.bad_words) or None
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        """Whether any control other than temperature / top-k / top-p / min_p changes this request's logits:
+        rows of requests without one skip logits_processors entirely."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
+
+    def resolve_bad_words(self, encode, vocab_size: int) -> None:
+        """Tokenize bad_words as vLLM does: each word alone and after a space (the word inside a text), the
+        spaced form kept when it is a different first token of the same length. encode(text) -> ids."""
+        if not self.bad_words:
+            return
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            for prefix in ("", " "):
+                ids = list(encode(prefix + word.lstrip()))
+                if not ids:
+                    if not prefix:
+                        raise ValueError(f"bad_words: {word!r} tokenizes to no token")
+                    continue
+                if not prefix or (ids[0] != seqs[-1][0] and len(ids) == len(seqs[-1])):
+                    seqs.append(ids)
+        if len(seqs) > self.MAX_BAD_WORDS:
+            raise ValueError(f"bad_words: {len(seqs)} token sequences after tokenizing; at most {self.MAX_BAD_WORDS}")
+        bad = [t for ids in seqs for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"bad_words: token ids {bad} are outside the vocabulary [0, {vocab_size})")
+        self.bad_words_token_ids = seqs
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids the request names must be in the model's vocabulary (ValueError naming the field)."""
+        for name, ids in (("logit_bias", list(self.logit_bias or ())), ("allowed_token_ids", self.allowed_token_ids or [])):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is out of the vocabulary [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

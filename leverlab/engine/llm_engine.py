@@ -124,6 +124,7 @@ class LLMEngine:
         t0 = time.monotonic()
         checked = self.encode(prompt, params)
         ids, text = checked.token_ids, checked.text
+        self._resolve_logits_controls(params)
         metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else t0)
         metrics.tokenize_s = checked.tokenize_s if isinstance(prompt, EnginePrompt) else time.monotonic() - t0
         req = Request(request_id, text, ids, params, metrics)
@@ -142,6 +143,17 @@ class LLMEngine:
             req.texts.append("")
             self.scheduler.add(seq)
         self.requests[request_id] = req
+
+    def _resolve_logits_controls(self, params: SamplingParams) -> None:
+        """The token ids a request's logits controls name, checked against the vocabulary, and its bad_words
+        tokenized (vLLM does both where the request is admitted): RequestError naming the field."""
+        vocab = self.model_config.vocab_size
+        try:
+            params.check_vocab(vocab)
+            if params.bad_words and params.bad_words_token_ids is None:
+                params.resolve_bad_words(lambda t: self.tokenizer.encode(t, add_special_tokens=False), vocab)
+        except ValueError as e:
+            raise RequestError(str(e), str(e).split(":", 1)[0]) from e
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)

@@ -156,13 +156,14 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
             check_model(st, req.model)
             st.defaults.apply(req)
             # parameter errors first, before tokenizing (max_tokens is only known after, when null)
-            probe = req.sampling_params(req.max_tokens if req.max_tokens is not None else max(1, req.min_tokens))
+            requested = req.engine_max_tokens()
+            probe = req.sampling_params(requested if requested is not None else max(1, req.min_tokens))
             check_logprobs(st, probe.logprobs, probe.prompt_logprobs)
             raw_prompts = req.prompts()
             ticket = st.admission.reserve_seqs(len(raw_prompts), probe.n)  # before any tokenizing
             prompts = await off_loop(st, _encode_all, engine, raw_prompts, size=sum(map(len, raw_prompts)))
             # each prompt of a batch gets its own room in the context, as in vLLM
-            per_prompt = [req.sampling_params(default_max_tokens(req.max_tokens, len(p.token_ids),
+            per_prompt = [req.sampling_params(default_max_tokens(requested, len(p.token_ids),
                                                                  engine.max_model_len)) for p in prompts]
             params = per_prompt[0]
             engine_prompts = [checked(engine, p, pp.max_tokens) for p, pp in zip(prompts, per_prompt)]
@@ -187,6 +188,7 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
             token_text=R.TokenIdText() if req.return_tokens_as_token_ids else st.token_text,
             tokenize_s=[p.tokenize_s for p in prompts],
             echo=echo,
+            echo_only=req.echo_only,
             prompt_logprobs_k=params.prompt_logprobs,
             return_token_ids=req.return_token_ids,
         )
@@ -375,7 +377,8 @@ def _full_response(ctx: StreamContext, finals: list[RequestOutput]) -> dict[str,
     else:
         choices = [
             R.completion_choice(tt, c, p * ctx.n + c.index, k, prefix=ctx.echo[p] if ctx.echo else "",
-                                prompt=out, prompt_k=ctx.prompt_logprobs_k, token_ids=ctx.return_token_ids)
+                                prompt=out, prompt_k=ctx.prompt_logprobs_k, token_ids=ctx.return_token_ids,
+                                echo=ctx.echo is not None, echo_only=ctx.echo_only)
             for p, out in enumerate(finals)
             for c in out.outputs
         ]

@@ -4,9 +4,11 @@
     vllm    none: the OpenAI defaults (temperature 1, top_p 1, no top_k)
     FOLDER  the generation_config.json in that folder
 
-A default applies only where the request leaves the field out. `do_sample` is not read (vLLM does not read
-it either: a model that ships `do_sample: false` and a temperature still samples at that temperature).
-Fields we do not implement (repetition_penalty, min_p) are reported at start and not applied.
+A default applies only where the request leaves the field out (or sends null). The fields read are vLLM's
+(ModelConfig.get_diff_sampling_param): temperature, top_p, top_k, min_p, repetition_penalty,
+presence_penalty, frequency_penalty. `do_sample` is not read (vLLM does not read it either: a model that
+ships `do_sample: false` and a temperature still samples at that temperature). `max_new_tokens`, which vLLM
+also reads (as the default max_tokens), is reported at start and not applied.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from typing import Any
 
 log = logging.getLogger("leverlab.server")
 
-_APPLIED = ("temperature", "top_p", "top_k")
-_UNBUILT = {"repetition_penalty": 1.0, "min_p": 0.0}
+_APPLIED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_UNBUILT = {"max_new_tokens": None}
 
 
 @dataclass
@@ -28,6 +30,10 @@ class SamplingDefaults:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     source: str | None = None
 
     @classmethod
@@ -54,9 +60,9 @@ class SamplingDefaults:
                         ", ".join(ignored))
         if found:
             log.info("sampling defaults from %s: %s (--generation-config vllm to ignore them)", path, found)
-        top_k = found.get("top_k")
-        return cls(found.get("temperature"), found.get("top_p"), int(top_k) if top_k is not None else None,
-                   str(path))
+        if "top_k" in found:
+            found["top_k"] = int(found["top_k"])
+        return cls(**found, source=str(path))
 
     def apply(self, req: Any) -> None:
         """Fill the request's unset sampling fields (None) with these defaults."""

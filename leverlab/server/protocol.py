@@ -2,20 +2,23 @@
 
 Validation is strict on types (`"5"` is not an integer, `true` is not a number) and rejects NaN/Infinity,
 so a wrong body becomes a 400 that names the field, never an exception deeper in the engine.
-Unknown fields are ignored, as vLLM does, so clients that send extra OpenAI fields (`user`, ...) still work.
-vLLM's extensions are accepted: `top_k`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
-`include_stop_str_in_output`, `skip_special_tokens`, `prompt_logprobs`, `return_token_ids`,
-(completions) `return_tokens_as_token_ids`, and (chat) `add_generation_prompt`.
-Parameters we do not implement (penalties, logit_bias, tools, ...) are refused when set, never ignored.
+vLLM's extensions are accepted: `top_k`, `min_p`, the penalties, `logit_bias`, `bad_words`,
+`allowed_token_ids`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
+`skip_special_tokens`, `prompt_logprobs`, `return_token_ids`, (completions) `return_tokens_as_token_ids`, and
+(chat) `add_generation_prompt`, `chat_template_kwargs`, `include_reasoning`.
+Any other field is refused with a 400 naming it unless it asks for nothing (fields.py: vLLM's fields we do not
+build, sent with their neutral value, and a few OpenAI fields that cannot change the output); vLLM itself
+ignores unknown fields, we do not, so that nothing a client asked for is silently dropped.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from leverlab.sampling_params import SamplingParams
+from leverlab.server.fields import UNBUILT_CHAT, UNBUILT_COMPLETION, first_unbuilt
 
 MAX_STOP_SEQUENCES = 64
 # Below this a temperature means greedy (vLLM's rule): logits / 1e-300 overflow to inf and sampling breaks.
@@ -38,7 +41,13 @@ class BadRequest(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    # Nested objects: an unknown key is a 400 from pydantic, naming it ("stream_options.x: Extra inputs ...")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class _Body(BaseModel):
+    # Request bodies keep unknown keys (model_extra) so that refuse_extra names them with a reason
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -47,24 +56,26 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-class _CommonRequest(_Strict):
+class _CommonRequest(_Body):
     model: str | None = None  # None: the served model
     n: int = 1
     best_of: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    # None: the server's default (--generation-config), else vLLM's neutral value
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     # vLLM extensions that benchmarks rely on for exact output lengths
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -82,19 +93,24 @@ class _CommonRequest(_Strict):
                              "stop_token_ids")
         if self.stop_token_ids:
             self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))  # at most vocab_size entries now
+        for name, ids in (("allowed_token_ids", self.allowed_token_ids or []),
+                          ("logit_bias", list(self.logit_bias or ()))):
+            for t in ids:
+                tid = _token_key(t)
+                if tid is None or not 0 <= tid < vocab_size:
+                    raise BadRequest(f"{name}: token id {t!r} is out of the vocabulary [0, {vocab_size})", name)
+
+    UNBUILT: ClassVar[dict[str, Any]] = {}
+
+    def refuse_extra(self) -> None:
+        """A body field we do not declare is refused unless it asks for nothing (fields.py)."""
+        found = first_unbuilt(self.model_extra, self.UNBUILT)
+        if found is not None:
+            raise BadRequest(found[1], found[0])
 
     def _refuse_unbuilt(self) -> None:
-        """Parameters whose effect we do not implement: refuse when set to anything but their neutral value."""
-        for name, neutral in (
-            ("presence_penalty", 0.0),
-            ("frequency_penalty", 0.0),
-            ("repetition_penalty", 1.0),
-            ("min_p", 0.0),
-        ):
-            if getattr(self, name) != neutral:
-                raise BadRequest(f"{name} is not supported yet; omit it or set it to {neutral}", name)
-        if self.logit_bias:
-            raise BadRequest("logit_bias is not supported yet; omit it", "logit_bias")
+        """Fields whose effect we do not implement: refused when set to anything but their neutral value."""
+        self.refuse_extra()
         if self.best_of is not None and self.best_of != self.n:
             raise BadRequest(
                 f"best_of ({self.best_of}) different from n ({self.n}) is not supported", "best_of"
@@ -132,11 +148,31 @@ class _CommonRequest(_Strict):
                 prompt_logprobs=self.prompt_logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
+                presence_penalty=_or(self.presence_penalty, 0.0),
+                frequency_penalty=_or(self.frequency_penalty, 0.0),
+                repetition_penalty=_or(self.repetition_penalty, 1.0),
+                min_p=_or(self.min_p, 0.0),
+                logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+                bad_words=list(self.bad_words) if self.bad_words else None,
+                allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             )
         except ValueError as e:
             # SamplingParams messages start with the field name ("top_p must be ...")
             msg = str(e)
             raise BadRequest(msg, msg.split(" ", 1)[0]) from e
+
+
+def _or(value: float | None, neutral: float) -> float:
+    return neutral if value is None else value
+
+
+def _token_key(t: Any) -> int | None:
+    """A token id as JSON sends it: an int, or (logit_bias keys) a string of one; None when it is neither."""
+    if isinstance(t, int) and not isinstance(t, bool):
+        return t
+    if isinstance(t, str) and t.strip().lstrip("-").isdigit():
+        return int(t)
+    return None
 
 
 def _temperature(t: float | None) -> float:
@@ -154,13 +190,32 @@ class CompletionRequest(_CommonRequest):
     # vLLM extension: tokens shown as "token_id:N" so that a client compares exact ids rather than decoded pieces.
     return_tokens_as_token_ids: bool = False
 
+    UNBUILT: ClassVar[dict[str, Any]] = UNBUILT_COMPLETION
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0 (lm-eval's loglikelihood requests): the prompt back, with its logprobs,
+        and no generated text. As vLLM: the engine still runs one token (not shown, but counted in usage)."""
+        return self.echo and self.max_tokens == 0
+
+    def engine_max_tokens(self) -> int | None:
+        """The max_tokens the engine runs with: the request's, 1 for echo_only."""
+        return 1 if self.echo_only else self.max_tokens
+
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """max_tokens: the request's, or (when it sent null) the room the context leaves, as vLLM does."""
         if self.suffix:
             raise BadRequest("suffix is not supported", "suffix")
+        params = self._sampling_params(max_tokens, self.logprobs)
         if self.echo and self.logprobs is not None:
-            raise BadRequest("echo together with logprobs is not supported yet", "echo")
-        return self._sampling_params(max_tokens, self.logprobs)
+            # The echoed prompt's tokens get logprobs too (first one null): they come from prompt_logprobs,
+            # which vLLM sets to `logprobs` unless the request set prompt_logprobs itself.
+            if self.stream:
+                raise BadRequest("echo with logprobs is returned only without streaming; set stream to false",
+                                 "echo")
+            if params.prompt_logprobs is None:
+                params.prompt_logprobs = self.logprobs
+        return params
 
     def check_limits(self, limits: Any) -> None:
         """What can never fit, refused before tokenizing (body.Limits): too many token ids or too much text
@@ -240,8 +295,8 @@ class ChatMessage(BaseModel):
         return d
 
 
-class ResponseFormat(_Strict):
-    type: str
+class ResponseFormat(_Body):
+    type: str  # (json_schema and its other keys are refused by type for now: see fields.IN_PROGRESS)
 
 
 class ChatCompletionRequest(_CommonRequest):
@@ -258,6 +313,10 @@ class ChatCompletionRequest(_CommonRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's request-level template: honoured only with --trust-request-chat-template (templates.py)
     chat_template: str | None = None
+    # with --reasoning-parser: false drops the reasoning from the answer (vLLM's extension)
+    include_reasoning: bool = True
+
+    UNBUILT: ClassVar[dict[str, Any]] = UNBUILT_CHAT
 
     def check_limits(self, limits: Any) -> None:
         """As CompletionRequest.check_limits: a conversation that can never fit is refused before the

@@ -121,13 +121,21 @@ def _top(pos: PositionLogprobs, k: int) -> list[tuple[int, float]]:
 
 
 def completion_logprobs(
-    tt: TokenText, token_ids: list[int], logprobs: list[PositionLogprobs], k: int, text_offset: int = 0
+    tt: TokenText, token_ids: list[int], logprobs: list[PositionLogprobs | None], k: int, text_offset: int = 0
 ) -> dict[str, Any]:
     """The legacy completions shape: parallel lists plus a dict per position of the chosen token and the top k
-    (vLLM's: the chosen token first, so logprobs=0 still shows it, and a sampled token outside the top k too)."""
+    (vLLM's: the chosen token first, so logprobs=0 still shows it, and a sampled token outside the top k too).
+    A None position (an echoed prompt's first token) gets null logprob and null top_logprobs, as vLLM's."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, pos in zip(token_ids, logprobs):
         s = tt.text(tid)
+        if pos is None:  # the first prompt token of an echo: nothing before it to predict it from
+            tokens.append(s)
+            token_lps.append(None)
+            tops.append(None)
+            offsets.append(text_offset)
+            text_offset += len(s)
+            continue
         lp = _finite(pos.get(tid, LOGPROB_FLOOR))
         tokens.append(s)
         token_lps.append(lp)
@@ -197,17 +205,25 @@ def batch_timings(outs: list[RequestOutput], tokenize_s: list[float]) -> dict | 
 def completion_choice(
     tt: TokenText, c: CompletionOutput, index: int, k: int | None, prefix: str = "",
     prompt: RequestOutput | None = None, prompt_k: int | None = None, token_ids: bool = False,
+    echo: bool = False, echo_only: bool = False,
 ) -> dict[str, Any]:
     """`prompt`/`prompt_k`: the request's output and k when the client asked for prompt_logprobs; `token_ids`:
     vLLM's return_token_ids. The three vLLM keys are always there (null when not asked for), as in vLLM's
-    responses, so a client written against vLLM can index them."""
+    responses, so a client written against vLLM can index them. `echo`: the prompt's tokens lead the logprobs
+    (from prompt_logprobs); `echo_only` (max_tokens 0): only the prompt, its text and its logprobs."""
     lp = None
+    text = c.text
+    if echo_only:
+        text = ""
     if k is not None and c.logprobs is not None:
-        lp = completion_logprobs(tt, c.token_ids, c.logprobs, k)
+        ids, lps = ([], []) if echo_only else (list(c.token_ids), list(c.logprobs))
+        if echo and prompt is not None and prompt.prompt_logprobs is not None:
+            ids, lps = list(prompt.prompt_token_ids) + ids, list(prompt.prompt_logprobs) + lps
+        lp = completion_logprobs(tt, ids, lps, k)
     with_prompt_lp = prompt is not None and prompt_k is not None
     return {
         "index": index,
-        "text": prefix + c.text,
+        "text": prefix + text,
         "logprobs": lp,
         "finish_reason": c.finish_reason,
         "stop_reason": c.stop_reason,

@@ -97,6 +97,7 @@ class StreamContext:
     token_text: R.TokenText
     tokenize_s: list[float]  # server tokenize time, per prompt
     echo: list[str] | None = None  # completions echo: prompt text per prompt
+    echo_only: bool = False  # echo with max_tokens 0: the one token the engine ran is not shown
     prompt_logprobs_k: int | None = None  # prompt_logprobs (never streamed)
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage so far in every chunk
     return_token_ids: bool = False  # vLLM's return_token_ids
@@ -114,8 +115,8 @@ class StreamContext:
 
 def _delta_choice(ctx: StreamContext, c: CompletionOutput, index: int, sent: _Sent,
                   prompt_ids: list[int]) -> dict | None:
-    new_text = c.text[sent.text :]
-    new_ids = c.token_ids[sent.tokens :]
+    new_text = "" if ctx.echo_only else c.text[sent.text :]  # echo_only: the engine's one token is not shown
+    new_ids = [] if ctx.echo_only else c.token_ids[sent.tokens :]
     finish = c.finish_reason if c.finished and not sent.finished else None
     first = not sent.started
     wants_logprobs = ctx.logprobs_k is not None and bool(new_ids)

@@ -12,13 +12,20 @@ from __future__ import annotations
 import torch
 
 from leverlab.core.sequence import Sequence
+from leverlab.worker import logits_processors
 from leverlab.worker.sampler import probabilities
 
 
 def verify(seq: Sequence, logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None = None) -> list[int]:
     """logits [k + 1, V] for the positions after the last token and after each draft -> emitted tokens
-    (the accepted drafts plus one token from the target: 1 .. k + 1 tokens)."""
+    (the accepted drafts plus one token from the target: 1 .. k + 1 tokens).
+    Row j is processed (penalties, bias, bad words, ...) with the drafts before it as generated output, as
+    plain decoding would process it after emitting them one by one."""
     p = seq.params
+    if p.needs_logits_processing:
+        k1 = len(drafts) + 1
+        history = [seq.output_token_ids + drafts[:j] for j in range(k1)]
+        logits = logits_processors.apply(logits, [p] * k1, [seq.prompt_token_ids] * k1, history)
     if p.greedy:
         target = logits.argmax(dim=-1).tolist()
         out = []

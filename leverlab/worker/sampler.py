@@ -1,4 +1,5 @@
-"""Turn logits into tokens: greedy, temperature, top-k, top-p, per-sequence RNG; logprobs on request."""
+"""Turn logits into tokens: the logits controls (logits_processors), greedy, temperature, min-p, top-k, top-p,
+per-sequence RNG; logprobs on request."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from leverlab.core.sequence import Sequence
 from leverlab.outputs import PositionLogprobs
 from leverlab.sampling_params import SamplingParams
+from leverlab.worker import logits_processors
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...],
@@ -14,6 +16,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...],
     """logits [B, V] float32, one row per sequence that needs a token. Returns one token id per row.
     argmax: each row's argmax when the caller has it already (the fused step computes it with the logits)."""
     masked = _apply_min_tokens(logits, seqs, eos_ids)
+    masked = logits_processors.apply(masked, [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
+                                     [s.output_token_ids for s in seqs])
     greedy = argmax if argmax is not None and masked is logits else masked.argmax(dim=-1).tolist()
     logits = masked
     tokens = []
@@ -27,8 +31,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...],
 
 def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution a sampled token is drawn from: [V] logits -> [V] probabilities after
-    temperature, top-k and top-p. Speculative verification uses the same function, so both agree."""
+    temperature, min-p, top-k and top-p (vLLM's order). Speculative verification uses the same function, so
+    both agree. `logits` has already been through logits_processors.apply where the request needs it."""
     x = logits / p.temperature
+    if p.min_p > 0.0:
+        # min-p: drop tokens less likely than min_p times the most likely one (after temperature)
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if p.top_k > 0 and p.top_k < x.numel():
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

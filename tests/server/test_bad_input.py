@@ -75,7 +75,9 @@ CASES = [
     ("completions", {"prompt": "hi", "seed": 2**63}, 400, ["seed"]),
     ("completions", {"prompt": "hi", "min_tokens": 20, "max_tokens": 5}, 400, ["min_tokens"]),
     ("completions", {"prompt": "hi", "stop_token_ids": [100000], "min_tokens": 2}, 400, ["100000"]),
-    ("completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, ["presence_penalty", "not supported"]),
+    ("completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, ["presence_penalty", "[-2, 2]"]),
+    ("completions", {"prompt": "hi", "guided_json": {"type": "object"}}, 400, ["guided_json", "not supported"]),
+    ("completions", {"prompt": "hi", "max_token": 3}, 400, ["max_token", "unknown field"]),
     ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, ["stream"]),
     ("chat/completions", {"messages": []}, 400, ["messages"]),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, ["role"]),
@@ -215,7 +217,7 @@ _chat_body = st.fixed_dictionaries(
 def test_generated_bodies_never_5xx(http, route, completion, chat, junk):
     body = completion if route == "completions" else chat
     if isinstance(junk, dict):
-        body = {**junk, **body}  # unknown fields are ignored, never fatal
+        body = {**junk, **body}  # unknown fields are refused with a 4xx, never fatal
     if body.get("stream") is True:
         with http.stream("POST", f"/v1/{route}", json=body) as r:
             content = r.read()

@@ -113,7 +113,11 @@ def test_max_logprobs_and_generation_config(tokenizer, tmp_path):
     c, _ = app_client(tokenizer, max_logprobs=2)
     r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "logprobs": 3})
     assert r.status_code == 400 and "--max-logprobs" in r.json()["error"]["message"]
-    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.25, "top_k": 7, "top_p": 0.5}))
+    # vLLM's fields of generation_config.json (ModelConfig.get_diff_sampling_param), applied where the request
+    # leaves them out; do_sample is not read, as in vLLM
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.25, "top_k": 7, "top_p": 0.5, "min_p": 0.05, "repetition_penalty": 1.1,
+         "presence_penalty": 0.2, "frequency_penalty": 0.3, "do_sample": False}))
     c, engine = app_client(tokenizer, generation_config=str(tmp_path))
     seen = []
     orig = engine.generate
@@ -127,6 +131,11 @@ def test_max_logprobs_and_generation_config(tokenizer, tmp_path):
     c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "temperature": 0.9})
     assert (seen[0].temperature, seen[0].top_k, seen[0].top_p) == (0.25, 7, 0.5)
     assert seen[1].temperature == 0.9 and seen[1].top_k == 7
+    assert (seen[0].min_p, seen[0].repetition_penalty, seen[0].presence_penalty, seen[0].frequency_penalty) == (
+        0.05, 1.1, 0.2, 0.3)
+    c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+                                         "repetition_penalty": 1.0, "min_p": 0.0})
+    assert (seen[2].repetition_penalty, seen[2].min_p, seen[2].presence_penalty) == (1.0, 0.0, 0.2)
 
 
 def test_vllm_metric_names(tokenizer):
