@@ -14,6 +14,14 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen3's thinking template, cut down: with enable_thinking false the prompt closes an empty think block, as
+# Qwen3's does; otherwise the model starts its answer with its reasoning.
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+THINK_TAGS = ["<think>", "</think>"]
 
 _TRAIN_TEXT = [
     "def add(a, b):\n    return a + b\n",
@@ -25,8 +33,10 @@ _TRAIN_TEXT = [
 ]
 
 
-def make_tokenizer(path: Path, vocab_size: int = 384) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def make_tokenizer(path: Path, vocab_size: int = 384, think_tags: bool = False) -> None:
+    """think_tags: <think> and </think> as single added tokens that are not special (they stay in the
+    decoded text, as in Qwen3's tokenizer), and THINK_TEMPLATE as the chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -39,13 +49,15 @@ def make_tokenizer(path: Path, vocab_size: int = 384) -> None:
         show_progress=False,
     )
     tok.train_from_iterator(_TRAIN_TEXT, trainer)
+    if think_tags:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TAGS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=SPECIALS[1:],
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = THINK_TEMPLATE if think_tags else CHAT_TEMPLATE
     fast.save_pretrained(str(path))
 
 
@@ -98,16 +110,19 @@ def _config(arch: str, vocab_size: int, **overrides):
 ARCHS = ("qwen3", "qwen2", "llama", "llama-tied")
 
 
-def make_checkpoint(path: Path, arch: str = "qwen3", seed: int = 0, shards: bool = True, **overrides) -> Path:
-    """Write a tiny random checkpoint of `arch` to `path` and return it. Weights are float32."""
+def make_checkpoint(path: Path, arch: str = "qwen3", seed: int = 0, shards: bool = True, think_tags: bool = False,
+                    **overrides) -> Path:
+    """Write a tiny random checkpoint of `arch` to `path` and return it. Weights are float32.
+    think_tags: the tokenizer and template of make_tokenizer(think_tags=True)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    make_tokenizer(path)
-    vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
-    cfg = _config(arch, vocab_size=len(vocab), **overrides)
+    make_tokenizer(path, think_tags=think_tags)
+    tj = json.loads((path / "tokenizer.json").read_text())
+    size = 1 + max([*tj["model"]["vocab"].values(), *(t["id"] for t in tj["added_tokens"])])
+    cfg = _config(arch, vocab_size=size, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     # Random init draws small weights; widen them so logits are far from uniform and greedy is decisive.

@@ -31,6 +31,7 @@ from leverlab.server.gen_config import SamplingDefaults
 from leverlab.server.inputs import checked, default_max_tokens, encode_chat, encode_prompt, limits
 from leverlab.server.metrics import CONTENT_TYPE, ServerMetrics
 from leverlab.server.protocol import ChatCompletionRequest, CompletionRequest
+from leverlab.server.reasoning import ReasoningParser
 from leverlab.server.state import (
     MAX_BODY_BYTES,
     MAX_INFLIGHT_BODY_BYTES,
@@ -82,6 +83,7 @@ def build_app(engine: EngineClient, args: Any = None) -> FastAPI:
         defaults=SamplingDefaults.from_model(_model_path(engine),
                                              opt("generation_config", "auto")),
         max_logprobs=int(opt("max_logprobs", 20)),
+        reasoning=ReasoningParser(opt("reasoning_parser")) if opt("reasoning_parser") else None,
         log_requests=not opt("disable_log_requests", False),
         allowed_origins=tuple(opt("allowed_origins", ())),
         stall_timeout_s=float(opt("stream_stall_timeout", STREAM_STALL_TIMEOUT_S)),
@@ -232,6 +234,8 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
             tokenize_s=[prompt.tokenize_s],
             prompt_logprobs_k=params.prompt_logprobs,
             return_token_ids=req.return_token_ids,
+            reasoning=st.reasoning.for_request(req.chat_template_kwargs) if st.reasoning else None,
+            include_reasoning=req.include_reasoning,
         )
         return await _serve(request, st, ctx, [engine_prompt], [params], req.stream, ticket)
 
@@ -373,7 +377,8 @@ async def _collect(
 def _full_response(ctx: StreamContext, finals: list[RequestOutput]) -> dict[str, Any]:
     tt, k = ctx.token_text, ctx.logprobs_k
     if ctx.chat:
-        choices = [R.chat_choice(tt, c, k, ctx.return_token_ids) for c in finals[0].outputs]
+        choices = [R.chat_choice(tt, c, k, ctx.return_token_ids, ctx.reasoning, ctx.include_reasoning)
+                   for c in finals[0].outputs]
     else:
         choices = [
             R.completion_choice(tt, c, p * ctx.n + c.index, k, prefix=ctx.echo[p] if ctx.echo else "",

@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "template can loop and allocate without bound")
     g.add_argument("--generation-config", default="auto",
                    help="sampling defaults: 'auto' (the model's generation_config.json), 'vllm' (none) or a folder")
+    g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="chat answers' <think>...</think> text goes to message.reasoning_content (and "
+                        "reasoning), the rest to content, streamed too; as vLLM's parsers of the same names")
     g.add_argument("--max-logprobs", type=int, default=20, help="the most top logprobs a request may ask for")
     g.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
     g.add_argument("--allowed-origins", nargs="+", default=None,

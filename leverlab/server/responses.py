@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse
 
 from leverlab import __version__
 from leverlab.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from leverlab.server.reasoning import ReasoningParser, message_fields
 
 # JSON has no -inf; OpenAI clients expect a number. vLLM uses the same floor.
 LOGPROB_FLOOR = -9999.0
@@ -234,13 +235,19 @@ def completion_choice(
     }
 
 
-def chat_choice(tt: TokenText, c: CompletionOutput, k: int | None, token_ids: bool = False) -> dict[str, Any]:
+def chat_choice(tt: TokenText, c: CompletionOutput, k: int | None, token_ids: bool = False,
+                reasoning: ReasoningParser | None = None, include_reasoning: bool = True) -> dict[str, Any]:
+    """`reasoning`: the request's --reasoning-parser (None: off), which splits the text into reasoning and
+    content."""
     lp = None
     if k is not None and c.logprobs is not None:
         lp = chat_logprobs(tt, c.token_ids, c.logprobs, k)
+    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    if reasoning is not None:
+        message.update(message_fields(*reasoning.split(c.text), include=include_reasoning))
     return {
         "index": c.index,
-        "message": {"role": "assistant", "content": c.text},
+        "message": message,
         "logprobs": lp,
         "finish_reason": c.finish_reason,
         "stop_reason": c.stop_reason,

@@ -23,6 +23,7 @@ from leverlab.server.errors import exception_response
 from leverlab.server.gen_config import SamplingDefaults
 from leverlab.server.metrics import ServerMetrics
 from leverlab.server.protocol import BadRequest
+from leverlab.server.reasoning import ReasoningParser
 from leverlab.server.templates import TemplatePolicy
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -48,6 +49,7 @@ class ServerState:
     templates: TemplatePolicy = field(default_factory=TemplatePolicy)
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     max_logprobs: int = 20
+    reasoning: ReasoningParser | None = None  # --reasoning-parser
     log_requests: bool = True
     allowed_origins: tuple[str, ...] = ()
     stall_timeout_s: float = STREAM_STALL_TIMEOUT_S

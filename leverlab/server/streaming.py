@@ -24,6 +24,7 @@ from starlette.types import Send
 from leverlab.outputs import CompletionOutput, RequestOutput
 from leverlab.server import responses as R
 from leverlab.server.errors import error_body, map_exception
+from leverlab.server.reasoning import ReasoningParser, ReasoningStream, message_fields
 
 log = logging.getLogger("leverlab.server")
 
@@ -83,6 +84,7 @@ class _Sent:
     tokens: int = 0
     started: bool = False
     finished: bool = False
+    reasoning: ReasoningStream | None = None  # this choice's reasoning split, with --reasoning-parser
 
 
 @dataclass
@@ -98,6 +100,8 @@ class StreamContext:
     tokenize_s: list[float]  # server tokenize time, per prompt
     echo: list[str] | None = None  # completions echo: prompt text per prompt
     echo_only: bool = False  # echo with max_tokens 0: the one token the engine ran is not shown
+    reasoning: ReasoningParser | None = None  # chat: this request's reasoning parser (None: off)
+    include_reasoning: bool = True
     prompt_logprobs_k: int | None = None  # prompt_logprobs (never streamed)
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage so far in every chunk
     return_token_ids: bool = False  # vLLM's return_token_ids
@@ -133,9 +137,17 @@ def _delta_choice(ctx: StreamContext, c: CompletionOutput, index: int, sent: _Se
     sent.finished = sent.finished or finish is not None
     token_ids = list(new_ids) if ctx.return_token_ids else None
     if ctx.chat:
-        delta: dict[str, Any] = {"content": new_text}
-        if first:
-            delta = {"role": "assistant", "content": new_text}
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if ctx.reasoning is None:
+            delta["content"] = new_text
+        else:
+            sent.reasoning = sent.reasoning or ctx.reasoning.stream()
+            r, content = sent.reasoning.feed(new_text, final=finish is not None)
+            if not r and not content and not first and finish is None and lp is None:
+                return None  # all held back: it may be the start of a tag
+            delta.update(message_fields(r or None, content, ctx.include_reasoning))
+            if delta["content"] == "" and "reasoning" in delta:
+                del delta["content"]  # a reasoning delta carries no content key, as vLLM's
         return {
             "index": index,
             "delta": delta,
