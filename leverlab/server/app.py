@@ -165,8 +165,8 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
             ticket = st.admission.reserve_seqs(len(raw_prompts), probe.n)  # before any tokenizing
             prompts = await off_loop(st, _encode_all, engine, raw_prompts, size=sum(map(len, raw_prompts)))
             # each prompt of a batch gets its own room in the context, as in vLLM
-            per_prompt = [req.sampling_params(default_max_tokens(requested, len(p.token_ids),
-                                                                 engine.max_model_len)) for p in prompts]
+            per_prompt = [req.sampling_params(default_max_tokens(requested, len(p.token_ids), engine.max_model_len,
+                                                                 default=st.defaults.max_tokens)) for p in prompts]
             params = per_prompt[0]
             engine_prompts = [checked(engine, p, pp.max_tokens) for p, pp in zip(prompts, per_prompt)]
         except Exception as e:
@@ -214,6 +214,7 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
             max_tokens = default_max_tokens(
                 req.requested_max_tokens(), len(prompt.token_ids), engine.max_model_len,
                 "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+                default=st.defaults.max_tokens,
             )
             params = req.sampling_params(max_tokens)
             engine_prompt = checked(engine, prompt, max_tokens)

@@ -7,8 +7,9 @@
 A default applies only where the request leaves the field out (or sends null). The fields read are vLLM's
 (ModelConfig.get_diff_sampling_param): temperature, top_p, top_k, min_p, repetition_penalty,
 presence_penalty, frequency_penalty. `do_sample` is not read (vLLM does not read it either: a model that
-ships `do_sample: false` and a temperature still samples at that temperature). `max_new_tokens`, which vLLM
-also reads (as the default max_tokens), is reported at start and not applied.
+ships `do_sample: false` and a temperature still samples at that temperature). `max_new_tokens` caps
+max_tokens where the request leaves it to the context's room (chat without max_tokens, or null), as vLLM's
+get_max_tokens does.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import Any
 log = logging.getLogger("leverlab.server")
 
 _APPLIED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-_UNBUILT = {"max_new_tokens": None}
 
 
 @dataclass
@@ -34,6 +34,7 @@ class SamplingDefaults:
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    max_tokens: int | None = None  # max_new_tokens: the cap where a request leaves max_tokens open
     source: str | None = None
 
     @classmethod
@@ -54,14 +55,13 @@ class SamplingDefaults:
         except (OSError, ValueError) as e:
             raise ValueError(f"--generation-config: cannot read {path}: {e}") from e
         found = {k: data[k] for k in _APPLIED if isinstance(data.get(k), (int, float)) and not isinstance(data[k], bool)}
-        ignored = [k for k, neutral in _UNBUILT.items() if k in data and data[k] != neutral]
-        if ignored:
-            log.warning("generation_config.json sets %s, which this server does not implement: not applied",
-                        ", ".join(ignored))
-        if found:
-            log.info("sampling defaults from %s: %s (--generation-config vllm to ignore them)", path, found)
         if "top_k" in found:
             found["top_k"] = int(found["top_k"])
+        new = data.get("max_new_tokens")
+        if isinstance(new, int) and not isinstance(new, bool) and new > 0:
+            found["max_tokens"] = new
+        if found:
+            log.info("sampling defaults from %s: %s (--generation-config vllm to ignore them)", path, found)
         return cls(**found, source=str(path))
 
     def apply(self, req: Any) -> None:
@@ -72,4 +72,4 @@ class SamplingDefaults:
                 setattr(req, name, value)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in _APPLIED if getattr(self, k) is not None}
+        return {k: getattr(self, k) for k in (*_APPLIED, "max_tokens") if getattr(self, k) is not None}

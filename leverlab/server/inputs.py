@@ -95,9 +95,9 @@ def checked(engine: Any, p: Prompt, max_tokens: int) -> EnginePrompt:
 
 
 def default_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
-                       param: str = "max_tokens") -> int:
+                       param: str = "max_tokens", default: int | None = None) -> int:
     """The max_tokens a prompt runs with, by vLLM's rules: None means whatever room the context leaves after
-    the prompt; a number above the whole context is refused; any other is cut to that room (the answer ends
+    the prompt, or at most `default` (generation_config.json's max_new_tokens) when given; a number above the whole context is refused; any other is cut to that room (the answer ends
     with finish_reason "length"), so a client that always sends a generous max_tokens works with long
     prompts as it does against vLLM. A prompt that fills the context alone is refused."""
     room = max_model_len - prompt_len
@@ -109,7 +109,7 @@ def default_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
             code="context_length_exceeded",
         )
     if requested is None:
-        return room
+        return room if default is None else min(room, default)
     if requested > max_model_len:
         raise BadRequest(f"{param}={requested} cannot be greater than this model's maximum context length of "
                          f"{max_model_len} tokens; request fewer output tokens", param,

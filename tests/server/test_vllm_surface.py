@@ -117,7 +117,7 @@ def test_max_logprobs_and_generation_config(tokenizer, tmp_path):
     # leaves them out; do_sample is not read, as in vLLM
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.25, "top_k": 7, "top_p": 0.5, "min_p": 0.05, "repetition_penalty": 1.1,
-         "presence_penalty": 0.2, "frequency_penalty": 0.3, "do_sample": False}))
+         "presence_penalty": 0.2, "frequency_penalty": 0.3, "do_sample": False, "max_new_tokens": 5}))
     c, engine = app_client(tokenizer, generation_config=str(tmp_path))
     seen = []
     orig = engine.generate
@@ -136,6 +136,9 @@ def test_max_logprobs_and_generation_config(tokenizer, tmp_path):
     c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
                                          "repetition_penalty": 1.0, "min_p": 0.0})
     assert (seen[2].repetition_penalty, seen[2].min_p, seen[2].presence_penalty) == (1.0, 0.0, 0.2)
+    c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    c.post("/v1/completions", json={"prompt": "x", "max_tokens": 9})
+    assert (seen[3].max_tokens, seen[4].max_tokens) == (5, 9)  # max_new_tokens caps only an open max_tokens
 
 
 def test_vllm_metric_names(tokenizer):
