@@ -191,6 +191,7 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
             tokenize_s=[p.tokenize_s for p in prompts],
             echo=echo,
             echo_only=req.echo_only,
+            asked_prompt_logprobs=req.prompt_logprobs is not None,
             prompt_logprobs_k=params.prompt_logprobs,
             return_token_ids=req.return_token_ids,
         )
@@ -384,7 +385,8 @@ def _full_response(ctx: StreamContext, finals: list[RequestOutput]) -> dict[str,
         choices = [
             R.completion_choice(tt, c, p * ctx.n + c.index, k, prefix=ctx.echo[p] if ctx.echo else "",
                                 prompt=out, prompt_k=ctx.prompt_logprobs_k, token_ids=ctx.return_token_ids,
-                                echo=ctx.echo is not None, echo_only=ctx.echo_only)
+                                echo=ctx.echo is not None, echo_only=ctx.echo_only,
+                                asked_prompt_logprobs=ctx.asked_prompt_logprobs)
             for p, out in enumerate(finals)
             for c in out.outputs
         ]

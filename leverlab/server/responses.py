@@ -206,7 +206,7 @@ def batch_timings(outs: list[RequestOutput], tokenize_s: list[float]) -> dict | 
 def completion_choice(
     tt: TokenText, c: CompletionOutput, index: int, k: int | None, prefix: str = "",
     prompt: RequestOutput | None = None, prompt_k: int | None = None, token_ids: bool = False,
-    echo: bool = False, echo_only: bool = False,
+    echo: bool = False, echo_only: bool = False, asked_prompt_logprobs: bool = True,
 ) -> dict[str, Any]:
     """`prompt`/`prompt_k`: the request's output and k when the client asked for prompt_logprobs; `token_ids`:
     vLLM's return_token_ids. The three vLLM keys are always there (null when not asked for), as in vLLM's
@@ -221,7 +221,9 @@ def completion_choice(
         if echo and prompt is not None and prompt.prompt_logprobs is not None:
             ids, lps = list(prompt.prompt_token_ids) + ids, list(prompt.prompt_logprobs) + lps
         lp = completion_logprobs(tt, ids, lps, k)
-    with_prompt_lp = prompt is not None and prompt_k is not None
+    # prompt_token_ids beside prompt_logprobs the client asked for; echo's own need for them does not add
+    # the ids (as vLLM, which returns them then only with return_token_ids)
+    with_prompt_lp = prompt is not None and prompt_k is not None and asked_prompt_logprobs
     return {
         "index": index,
         "text": prefix + text,

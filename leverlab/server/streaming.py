@@ -100,6 +100,8 @@ class StreamContext:
     tokenize_s: list[float]  # server tokenize time, per prompt
     echo: list[str] | None = None  # completions echo: prompt text per prompt
     echo_only: bool = False  # echo with max_tokens 0: the one token the engine ran is not shown
+    # prompt_token_ids come with prompt_logprobs the request asked for (not with those echo's logprobs need)
+    asked_prompt_logprobs: bool = True
     reasoning: ReasoningParser | None = None  # chat: this request's reasoning parser (None: off)
     include_reasoning: bool = True
     prompt_logprobs_k: int | None = None  # prompt_logprobs (never streamed)
