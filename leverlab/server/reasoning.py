@@ -4,10 +4,13 @@
 Both parsers follow vLLM 0.32's, found by running them on the same texts (docs/serving.md):
   - the answer starts in reasoning, with or without a `<think>` (templates such as DeepSeek-R1's and Qwen3's
     put the start tag in the prompt); `<think>` tags inside reasoning are dropped; the first `</think>` ends
-    it. No `</think>` at all: everything is reasoning and content is null. Empty content is null.
+    it. No `</think>` at all: everything is reasoning and content is null. Empty content is null (and so is
+    empty reasoning under qwen3).
   - qwen3: `chat_template_kwargs.enable_thinking: false` turns the parser off for the request (the whole text
     is content, tags and all); a later stray `</think>` in the content is dropped.
-  - deepseek_r1: enable_thinking is not read; a later `</think>` stays in the content.
+  - deepseek_r1: enable_thinking is not read; a later `</think>` stays in the content. (vLLM's also drops
+    text before a `<think>` that is not at the start, unstreamed only; ours keeps it as reasoning, as its
+    stream does.)
 
 The tags are matched in the text, not by token id: a model whose tokenizer has them as single tokens and one
 that spells them in pieces (the bundled model) parse the same. Streaming holds back the tail of a delta that
@@ -41,21 +44,24 @@ class ReasoningParser:
             return None
         return self
 
-    def split(self, text: str) -> tuple[str, str | None]:
-        """A finished answer -> (reasoning, content or None)."""
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """A finished answer -> (reasoning, content); empty content is None, and so is empty reasoning for
+        qwen3 (deepseek_r1 keeps it as "", as vLLM's do)."""
         s = self.stream()
         r, c = s.feed(text, final=True)
-        return r, c or None
+        return (r or None) if self.name == "qwen3" else r, c or None
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(drop_late_end=self.name == "qwen3")
 
 
-def message_fields(reasoning: str | None, content: str | None, include: bool = True) -> dict[str, Any]:
-    """The message (or delta) keys of a split answer; `include` false (vLLM's include_reasoning) drops the
-    reasoning."""
+def message_fields(reasoning: str | None, content: str | None, include: bool = True,
+                   delta: bool = False) -> dict[str, Any]:
+    """The message (or, `delta`, a stream delta's) keys of a split answer: a message always has the reasoning
+    keys (null when none), a delta only when it carries reasoning; `include` false (vLLM's include_reasoning)
+    drops them."""
     out: dict[str, Any] = {}
-    if include and reasoning is not None:
+    if include and (reasoning is not None or not delta):
         out["reasoning_content"] = out["reasoning"] = reasoning
     out["content"] = content
     return out

@@ -147,7 +147,7 @@ def _delta_choice(ctx: StreamContext, c: CompletionOutput, index: int, sent: _Se
             r, content = sent.reasoning.feed(new_text, final=finish is not None)
             if not r and not content and not first and finish is None and lp is None:
                 return None  # all held back: it may be the start of a tag
-            delta.update(message_fields(r or None, content, ctx.include_reasoning))
+            delta.update(message_fields(r or None, content, ctx.include_reasoning, delta=True))
             if delta["content"] == "" and "reasoning" in delta:
                 del delta["content"]  # a reasoning delta carries no content key, as vLLM's
         return {
