@@ -9,12 +9,14 @@ One job per file, in the order a request meets them:
     admission.py  what the server takes on, before it works on it: body bytes, sequences (prompts x n)
     body.py       bodies read and parsed off the event loop (a thread, or a parser process when big)
     protocol.py   request bodies (pydantic, strict) -> SamplingParams; refuses what is not built
+    fields.py     the request fields not declared there: refused (named), or accepted because they ask nothing
     templates.py  which chat template renders a chat (--chat-template, --trust-request-chat-template)
     gen_config.py --generation-config: sampling defaults from the model's generation_config.json
     inputs.py     prompts -> token ids (chat template), checked once into the engine's EnginePrompt
     tokens_api.py vLLM's /tokenize and /detokenize
     streaming.py  server-sent events: per-choice diffs of the engine's cumulative outputs; stalled readers
     responses.py  response objects: choices, logprobs, usage, the `timings` extension field
+    reasoning.py  --reasoning-parser: <think> text split into reasoning_content, streamed or not
     errors.py     every failure as an OpenAI-shaped error with the right status
     metrics.py    Prometheus: request histograms, engine gauges and counters read at scrape time
 
