@@ -115,6 +115,9 @@ class SamplingParams:
                 self.bad_words = [self.bad_words]
             if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
                 raise ValueError("bad_words must be a list of non-empty strings")
+            # each word is at least one token sequence: refuse too many before anyone tokenizes them
+            if len(self.bad_words) > self.MAX_BAD_WORDS:
+                raise ValueError(f"bad_words: at most {self.MAX_BAD_WORDS} words, got {len(self.bad_words)}")
             self.bad_words = list(self.bad_words) or None
 
     @property

@@ -159,7 +159,7 @@ class _CommonRequest(_Body):
         except ValueError as e:
             # SamplingParams messages start with the field name ("top_p must be ...")
             msg = str(e)
-            raise BadRequest(msg, msg.split(" ", 1)[0]) from e
+            raise BadRequest(msg, msg.split(" ", 1)[0].rstrip(":")) from e
 
 
 def _or(value: float | None, neutral: float) -> float:

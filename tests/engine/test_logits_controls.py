@@ -84,7 +84,8 @@ def test_min_p_after_temperature():
 
 def test_validation_as_vllm():
     for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
-                dict(min_p=1.5), dict(allowed_token_ids=[]), dict(logit_bias={"x": 1.0}), dict(bad_words=[""])):
+                dict(min_p=1.5), dict(allowed_token_ids=[]), dict(logit_bias={"x": 1.0}), dict(bad_words=[""]),
+                dict(bad_words=["w"] * 1000)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
     assert SamplingParams(logit_bias={"5": 300, 6: -1e9}).logit_bias == {5: 100.0, 6: -100.0}
