@@ -38,6 +38,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     lm_head_quantization: str = "auto"  # the output head's precision (quant/registry.py: LM_HEAD_QUANTIZATION)
     speculative_config: dict | None = None
+    # Structured output: tokens the grammar forces (the only one its mask allows) are appended without a decode
+    # pass each and prefilled in the next pass (leverlab/structured/). Lossless: plain constrained decoding takes
+    # a forced token without a draw too, so the output is token-identical either way.
+    structured_outputs_jump_forward: bool = True
     tensor_parallel_size: int = 1  # > 1: one process per rank (leverlab/distributed, docs/tensor-parallel.md)
     # > 1: that many engine processes (replicas) behind the one endpoint (engine/replicas.py), each with
     # tensor_parallel_size ranks of its own

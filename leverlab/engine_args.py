@@ -25,7 +25,7 @@ def _json_object(s: str) -> dict:
 ENGINE_FIELDS = (
     "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size",
     "num_kv_blocks", "kv_cache_memory", "kv_cache_memory_fraction", "enable_prefix_caching", "quantization",
-    "kv_cache_dtype", "lm_head_quantization", "speculative_config", "tensor_parallel_size", "data_parallel_size",
+    "kv_cache_dtype", "lm_head_quantization", "speculative_config", "structured_outputs_jump_forward", "tensor_parallel_size", "data_parallel_size",
     "nnodes", "node_rank", "master_addr", "master_port", "execution_mode",
     "num_threads", "seed",
 )
@@ -54,6 +54,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "or same (the --quantization method's own)")
     g.add_argument("--speculative-config", type=_json_object, default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    g.add_argument("--structured-outputs-jump-forward", action=argparse.BooleanOptionalAction, default=None,
+                   help="structured output: append the tokens a grammar forces without a decode pass each "
+                   "(default on; lossless)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="ranks (one process each) that split every layer (default 1; docs/tensor-parallel.md)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=None,

@@ -2,7 +2,71 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM 0.32's StructuredOutputsParams): exactly one of `json` (a JSON
+    schema, dict or text), `json_object` (any JSON object), `regex`, `choice` (one of these strings) or
+    `grammar` (Lark or GBNF/EBNF text). Compiled by leverlab/structured/ (llguidance)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # vLLM's options we do not implement: refused when set, never ignored
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        set_ += ["json_object"] if self.json_object else []
+        if len(set_) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {set_ or 'none'}")
+        # (disable_any_whitespace is accepted: our JSON is always compact, see structured/compiler.py)
+        for name in ("disable_additional_properties", "whitespace_pattern", "structural_tag"):
+            if getattr(self, name):
+                raise ValueError(f"structured_outputs.{name} is not supported; omit it")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or any(not isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object, or its text)")
+
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what the compiled grammar depends on; the grammar cache's key."""
+        if self.json is not None:
+            return "json", self.json if isinstance(self.json, str) else json.dumps(self.json)  # (key order is the properties' order)
+        if self.json_object:
+            return "json", '{"type": "object"}'
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        return "grammar", str(self.grammar)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> StructuredOutputsParams:
+        if isinstance(d, cls):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError("structured_outputs must be an object")
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"structured_outputs.{unknown[0]} is not a known field")
+        return cls(**d)
 
 
 @dataclass
@@ -42,6 +106,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # bad_words as token-id sequences: filled by the engine, which has the tokenizer (resolve_bad_words)
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output to a grammar
 
     MAX_LOGPROBS = 20
     MAX_BAD_WORDS = 128  # token sequences after tokenizing (vLLM's VLLM_MAX_NUM_BAD_WORDS default)
@@ -80,6 +145,8 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
         self._check_logits_controls()
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
 
     def _check_logits_controls(self) -> None:
         """vLLM's ranges for the logits controls; logit_bias keys become ints and values are clamped."""

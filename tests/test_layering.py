@@ -20,7 +20,7 @@ FLOORS: list[set[str]] = [
     {"quant"},
     {"layers"},
     {"models"},
-    {"core"},
+    {"core", "structured"},
     {"worker"},
     {"speculative"},
     {"engine"},

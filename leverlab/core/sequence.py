@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from leverlab.outputs import PositionLogprobs
 from leverlab.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from leverlab.structured.state import SequenceGrammar
 
 
 class Status(enum.Enum):
@@ -40,6 +44,7 @@ class Sequence:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_ranks: list[int | None] | None = None  # each prompt token's rank in the vocabulary, with prompt_logprobs
+    grammar: SequenceGrammar | None = None  # structured output: the matcher this sequence's tokens follow
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

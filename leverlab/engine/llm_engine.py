@@ -25,6 +25,8 @@ from leverlab.sampling_params import SamplingParams
 from leverlab.speculative.decoder import SpecDecoder
 from leverlab.speculative.eagle3_format import aux_layers_for
 from leverlab.speculative_config import SpeculativeConfig
+from leverlab.structured.compiler import GrammarCompiler, GrammarError
+from leverlab.structured.masking import advance
 from leverlab.worker.executor import make_executor
 from leverlab.worker.node import run_node
 from leverlab.worker.sampler import token_ranks, top_logprobs
@@ -87,6 +89,8 @@ class LLMEngine:
             eos = (self.tokenizer.eos_token_id,)
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
         self.requests: dict[str, Request] = {}
+        # Structured output: grammars compiled against this tokenizer, cached by their text (leverlab/structured/)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         # Monotonic totals, exported on /metrics; levers add their own keys.
         self.counters: dict[str, float] = {"requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0,
                                            "generation_tokens": 0, "preemptions": 0, "steps": 0}
@@ -128,6 +132,12 @@ class LLMEngine:
         metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else t0)
         metrics.tokenize_s = checked.tokenize_s if isinstance(prompt, EnginePrompt) else time.monotonic() - t0
         req = Request(request_id, text, ids, params, metrics)
+        so = params.structured_outputs
+        if so is not None:
+            try:
+                self.grammars.compile(so)
+            except GrammarError as e:
+                raise RequestError(str(e)) from e
         for i in range(params.n):
             gen = None
             if not params.greedy:
@@ -135,6 +145,8 @@ class LLMEngine:
                     torch.randint(0, 2**62, (1,), generator=self._rng))
                 gen = torch.Generator().manual_seed(seed)
             seq = Sequence(next(self._seq_ids), request_id, i, ids, params, gen)
+            if so is not None:
+                seq.grammar = self.grammars.new_state(so)
             if params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]
                 seq.prompt_ranks = [None]
@@ -183,6 +195,8 @@ class LLMEngine:
         result = self.runner.execute(batch)
         self._record_prompt_logprobs(result.prompt_logits)
         emitted, rejected = self.spec.choose_tokens(result)  # sampling, and verification of drafts
+        # Structured output: matchers take the emitted tokens; jump-forward appends the tokens they force.
+        advance(emitted, self.config.structured_outputs_jump_forward, self.max_model_len)
         self.scheduler.update_from_output(batch, rejected, self.window)
         self.spec.observe(result)  # EAGLE: the features of the positions kept after verification
         outputs = self._process_outputs(emitted, final_only)
@@ -211,7 +225,10 @@ class LLMEngine:
             seq.spec_token_ids = []
             req = self.requests[seq.request_id]
             n_lp = seq.params.logprobs
-            lps = top_logprobs(rows[: len(tokens)], torch.tensor(tokens), [n_lp] * len(tokens)) if n_lp is not None else None
+            lps = None
+            if n_lp is not None:
+                k = min(len(tokens), rows.shape[0])  # tokens past the rows were forced by a grammar: logprob 0
+                lps = top_logprobs(rows[:k], torch.tensor(tokens[:k]), [n_lp] * k) + [{t: 0.0} for t in tokens[k:]]
             for j, tok in enumerate(tokens):
                 if lps is not None:
                     seq.logprobs.append(lps[j])

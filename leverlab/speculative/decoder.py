@@ -24,6 +24,7 @@ from leverlab.speculative.base import Proposer, build_proposer
 from leverlab.speculative.gate import ThroughputGate
 from leverlab.speculative.verify import verify
 from leverlab.speculative_config import SpeculativeConfig
+from leverlab.structured.masking import mask_drafts
 from leverlab.worker.sampler import sample
 
 
@@ -110,6 +111,7 @@ class SpecDecoder:
                     plain_argmax.append(result.argmax[row0])
                 continue
             drafts = seq.spec_token_ids
+            mask_drafts(seq, rows, drafts)  # structured output: the target's rows under the grammar's masks
             tokens = verify(seq, rows, drafts, self.draft_probs.pop(seq.seq_id, None))
             accepted = len(tokens) - 1
             # KV was written for the last token and every draft; only the accepted drafts' entries are valid.

@@ -8,6 +8,7 @@ import torch
 from leverlab.core.sequence import Sequence
 from leverlab.outputs import PositionLogprobs
 from leverlab.sampling_params import SamplingParams
+from leverlab.structured.masking import mask_batch
 from leverlab.worker import logits_processors
 
 
@@ -15,6 +16,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...],
            argmax: list[int] | None = None) -> list[int]:
     """logits [B, V] float32, one row per sequence that needs a token. Returns one token id per row.
     argmax: each row's argmax when the caller has it already (the fused step computes it with the logits)."""
+    # Structured output: rows outside their grammar get -inf (in place); a token the grammar forces is taken
+    # without a draw, so jump-forward (which appends it without a pass) gives the same tokens.
+    forced = mask_batch(logits, seqs)
+    if forced is not None:
+        argmax = None
     masked = _apply_min_tokens(logits, seqs, eos_ids)
     masked = logits_processors.apply(masked, [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
                                      [s.output_token_ids for s in seqs])
@@ -24,6 +30,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...],
     for row, seq in enumerate(seqs):
         if seq.params.greedy:
             tokens.append(greedy[row])
+        elif forced and row in forced:
+            tokens.append(forced[row])
         else:
             tokens.append(int(torch.multinomial(probabilities(logits[row], seq.params), 1, generator=seq.generator)))
     return tokens

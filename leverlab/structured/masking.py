@@ -1,0 +1,84 @@
+"""The three calls the step loop makes for structured output (each a no-op for sequences without a grammar).
+
+  mask_batch(logits, seqs)          before sampling: grammar rows get -inf outside their grammar; returns the
+                                    rows whose grammar allows exactly one token (taken without a draw)
+  mask_drafts(seq, rows, drafts)    before verification: the mask at each draft position, found by advancing
+                                    the matcher through the drafts and rolling back; verification then
+                                    accepts only what the grammar allows, so drafts stay lossless
+  advance(emitted, jump_forward)    after sampling/verification: the matchers take the emitted tokens; with
+                                    jump-forward the tokens the grammar then forces are appended to the
+                                    emitted ones (no decode pass each: the next pass prefills them)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from leverlab.core.sequence import Sequence
+from leverlab.structured.state import unpack
+
+
+@torch.inference_mode()  # the logits are inference tensors: updated in place only inside it
+def mask_batch(logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, int] | None:
+    """logits [B, V], one row per sequence, masked in place. None when no row has a grammar (nothing done);
+    else {row: token} for the rows with a single allowed token."""
+    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if not rows:
+        return None
+    words = seqs[rows[0]].grammar.words
+    bits = torch.empty(len(rows), words, dtype=torch.int32)
+    for j, i in enumerate(rows):
+        seqs[i].grammar.bitmask_into(bits[j])
+    allowed = _fit(unpack(bits), logits.shape[1])
+    idx = torch.tensor(rows)
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    forced = {}
+    for j in (allowed.sum(dim=1) == 1).nonzero()[:, 0].tolist():
+        forced[rows[j]] = int(allowed[j].int().argmax())
+    return forced
+
+
+@torch.inference_mode()
+def mask_drafts(seq: Sequence, rows: torch.Tensor, drafts: list[int]) -> None:
+    """rows [k + 1, V]: the target's logits after the last token and after each draft, masked in place with the
+    grammar's mask at each position. Past the first draft the grammar refuses, positions stay unmasked:
+    verification never gets there (that draft has probability 0 under the mask, so it is rejected)."""
+    g = seq.grammar
+    if g is None:
+        return
+    taken = 0
+    for j in range(len(drafts) + 1):
+        rows[j].masked_fill_(~_fit(g.allowed()[None], rows.shape[1])[0], float("-inf"))
+        if j == len(drafts) or g.try_accept([drafts[j]]) != 1:
+            break
+        taken += 1
+    g.rollback(taken)
+
+
+def advance(emitted: list[tuple[Sequence, list[int], torch.Tensor]], jump_forward: bool, max_model_len: int) -> None:
+    """Each grammar sequence's matcher takes its emitted tokens; with jump_forward, the tokens the grammar
+    forces next are appended to its emitted list (in place), up to its max_tokens and the context."""
+    for seq, tokens, _ in emitted:
+        g = seq.grammar
+        if g is None:
+            continue
+        g.accept(tokens)
+        if not jump_forward or tokens[-1] in g.eos_token_ids:
+            continue
+        p = seq.params
+        n_out = len(seq.output_token_ids) + len(tokens)
+        left = min((p.max_tokens if p.max_tokens is not None else max_model_len) - n_out,
+                   max_model_len - seq.num_tokens - len(tokens))
+        if left <= 0 or n_out < p.min_tokens:
+            continue  # (before min_tokens end tokens are banned: the sampler decides, not the grammar)
+        more = g.forced(left)
+        if p.ignore_eos and more and more[-1] in g.eos_token_ids:
+            more.pop()
+        tokens.extend(more)
+
+
+def _fit(allowed: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The mask cut or padded (False) to the logits' width."""
+    if allowed.shape[1] >= vocab:
+        return allowed[:, :vocab]
+    return torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)

@@ -1,0 +1,72 @@
+"""One sequence's grammar state: a matcher advanced by every token the sequence emits."""
+
+from __future__ import annotations
+
+import torch
+
+
+class SequenceGrammar:
+    def __init__(self, matcher, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.words = (max(vocab_size, 1) + 31) // 32
+        self._mask: torch.Tensor | None = None  # the allowed tokens in the current state, once computed
+
+    def bitmask_into(self, row: torch.Tensor) -> None:
+        """Write the current state's mask (one bit per token, int32 words) into `row` [words]."""
+        if self._mask is not None:
+            row.copy_(self._mask)
+            return
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+        self._mask = row.clone()
+
+    def allowed(self) -> torch.Tensor:
+        """bool [vocab_size]: the tokens the grammar allows next."""
+        row = torch.empty(self.words, dtype=torch.int32)
+        self.bitmask_into(row)
+        return unpack(row[None])[0, : self.vocab_size]
+
+    def accept(self, tokens: list[int]) -> bool:
+        """Advance by emitted tokens. False if one was not allowed (the matcher is then in error: it allows
+        only end-of-sequence from there on)."""
+        if not tokens:
+            return True
+        self._mask = None
+        return bool(self.matcher.consume_tokens(tokens))
+
+    def try_accept(self, tokens: list[int]) -> int:
+        """Advance by as many of `tokens` as the grammar allows (drafts); returns that count, no error state."""
+        n = self.matcher.try_consume_tokens(tokens) if tokens else 0
+        if n:
+            self._mask = None
+        return n
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.matcher.rollback(n)
+            self._mask = None
+
+    def forced(self, limit: int) -> list[int]:
+        """Tokens the grammar forces from here: while its mask allows exactly one token, consume it. Those are
+        the tokens plain constrained decoding would pick too (greedy or sampled: masked, nothing else has any
+        probability), so appending them is lossless. Ends after an end-of-sequence token."""
+        out: list[int] = []
+        while len(out) < limit and not self.matcher.is_error():
+            allowed = self.allowed()
+            idx = allowed.nonzero()
+            if idx.shape[0] != 1:
+                break
+            tok = int(idx[0, 0])
+            out.append(tok)
+            if tok in self.eos_token_ids or not self.accept([tok]):
+                break
+        return out
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack(bitmask: torch.Tensor) -> torch.Tensor:
+    """int32 [B, W] bit words (llguidance's layout: token 32 * w + b is bit b of word w) -> bool [B, 32 W]."""
+    return ((bitmask[:, :, None] >> _SHIFTS) & 1).view(bitmask.shape[0], -1).bool()
