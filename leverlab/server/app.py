@@ -47,6 +47,7 @@ from leverlab.server.state import (
 )
 from leverlab.server.streaming import GuardedStreamingResponse, StreamContext, event_stream, merge
 from leverlab.server.templates import TemplatePolicy, load_chat_template
+from leverlab.server.tools import plan_tools
 
 log = logging.getLogger("leverlab.server")
 
@@ -87,6 +88,8 @@ def build_app(engine: EngineClient, args: Any = None) -> FastAPI:
         log_requests=not opt("disable_log_requests", False),
         allowed_origins=tuple(opt("allowed_origins", ())),
         stall_timeout_s=float(opt("stream_stall_timeout", STREAM_STALL_TIMEOUT_S)),
+        enable_auto_tool_choice=bool(opt("enable_auto_tool_choice", False)),
+        tool_call_parser=opt("tool_call_parser"),
     )
     app = FastAPI(
         title="LeverLab", version=leverlab.__version__, docs_url=None, redoc_url=None, openapi_url=None
@@ -206,7 +209,10 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
             st.defaults.apply(req)
             # parameter errors first, before the template runs (max_tokens may need the prompt's length)
             requested = req.requested_max_tokens()
-            probe = req.sampling_params(requested if requested is not None else max(1, req.min_tokens))
+            tools = plan_tools(req.tools, req.tool_choice, st.enable_auto_tool_choice, st.tool_call_parser,
+                               req.parallel_tool_calls)
+            schema = tools.schema() if tools is not None else None
+            probe = req.sampling_params(requested if requested is not None else max(1, req.min_tokens), schema)
             check_logprobs(st, probe.logprobs, probe.prompt_logprobs)
             template = st.templates.template_for(req)
             ticket = st.admission.reserve_seqs(1, probe.n)
@@ -217,7 +223,7 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
                 "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                 default=st.defaults.max_tokens,
             )
-            params = req.sampling_params(max_tokens)
+            params = req.sampling_params(max_tokens, schema)
             engine_prompt = checked(engine, prompt, max_tokens)
         except Exception as e:
             if ticket is not None:
@@ -238,6 +244,7 @@ def _add_routes(app: FastAPI, st: ServerState) -> None:
             return_token_ids=req.return_token_ids,
             reasoning=st.reasoning.for_request(req.chat_template_kwargs) if st.reasoning else None,
             include_reasoning=req.include_reasoning,
+            tools=tools,
         )
         return await _serve(request, st, ctx, [engine_prompt], [params], req.stream, ticket)
 
@@ -381,6 +388,11 @@ def _full_response(ctx: StreamContext, finals: list[RequestOutput]) -> dict[str,
     if ctx.chat:
         choices = [R.chat_choice(tt, c, k, ctx.return_token_ids, ctx.reasoning, ctx.include_reasoning)
                    for c in finals[0].outputs]
+        if ctx.tools is not None:  # tool calls parsed out of the content (server/tools.py)
+            for ch, c in zip(choices, finals[0].outputs):
+                msg, ch["finish_reason"] = ctx.tools.message(ch["message"].get("content") or "", c.finish_reason)
+                if "tool_calls" in msg:
+                    ch["message"].update(msg)
     else:
         choices = [
             R.completion_choice(tt, c, p * ctx.n + c.index, k, prefix=ctx.echo[p] if ctx.echo else "",

@@ -65,6 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "default none: requests that carry an Origin header are refused")
     g.add_argument("--stream-stall-timeout", type=float, default=60.0,
                    help="seconds a stream may wait on a client that reads nothing before it is aborted")
+    from leverlab.server.tool_parsers import PARSERS
+
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="tool_choice 'auto': the model decides, --tool-call-parser finds its calls")
+    g.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                   help="the model's tool-call format (hermes: Qwen2.5/Qwen3, Hermes)")
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -113,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from leverlab.errors import EngineDeadError, UnsupportedLever
 
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        print("leverlab serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return 2
     try:
         cfg = engine_config(args)
     except UnsupportedLever as e:

@@ -4,8 +4,6 @@ Our rule: a field we do not implement is a 400 that names it, never silently dro
 `guided_json` answers 200 with unconstrained text). The request models (protocol.py) declare every field
 they build; anything else a body carries lands here:
 
-  - IN_PROGRESS: structured outputs and tool calling, being built in parallel (issue 59). Refused while a
-    value asks for anything; that work moves each name to a declared, built field as it lands.
   - UNBUILT: vLLM's request fields we do not implement, with the value that asks for nothing (vLLM's
     default). Sent with that value they are accepted (clients that serialize every field still work);
     any other value is refused.
@@ -17,14 +15,6 @@ they build; anything else a body carries lands here:
 from __future__ import annotations
 
 from typing import Any
-
-# Being built by the structured-outputs / tool-calling helper of issue 59. `response_format` (beyond
-# "text"), `tools` and `tool_choice` (beyond none/auto without tools) are declared in protocol.py and
-# refused there; the names below are refused here whenever they carry a value.
-IN_PROGRESS = (
-    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "guided_decoding_backend", "guided_whitespace_pattern", "tools", "tool_choice", "parallel_tool_calls",
-)
 
 # vLLM 0.32's request fields that we do not implement -> the value that asks for nothing (vLLM's default).
 _UNSET = object()  # no neutral value: any value is refused
@@ -51,6 +41,9 @@ UNBUILT_COMMON: dict[str, Any] = {
     "watermarking": None,
     "return_token_offsets": False,
     "request_id": _UNSET,             # vLLM takes the caller's id; ours are always generated
+    # structured output's older options (vLLM <= 0.10): one grammar engine here, JSON always compact
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None,
 }
 UNBUILT_COMPLETION: dict[str, Any] = {
     **UNBUILT_COMMON,
@@ -85,11 +78,6 @@ def first_unbuilt(extra: dict[str, Any] | None, unbuilt: dict[str, Any]) -> tupl
     for name, value in (extra or {}).items():
         if name in IGNORED:
             continue
-        if name in IN_PROGRESS:
-            if value is None:
-                continue
-            return name, (f"{name} is not supported yet (structured outputs and tool calling are being built); "
-                          "omit it")
         if name in unbuilt:
             neutral = unbuilt[name]
             if neutral is not _UNSET and value == neutral and isinstance(value, bool) == isinstance(neutral, bool):

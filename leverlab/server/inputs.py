@@ -74,6 +74,8 @@ def encode_chat(engine: Any, req: ChatCompletionRequest, template: str | None = 
             tokenize=False,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
+            # the model's own template renders the tools (a template without tool support ignores them)
+            **({"tools": req.tools} if req.tools else {}),
             **{k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "chat_template"},
             **({"chat_template": template} if template is not None else {}),
         )

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from leverlab.sampling_params import SamplingParams
+from leverlab.sampling_params import SamplingParams, StructuredOutputsParams
 from leverlab.server.fields import UNBUILT_CHAT, UNBUILT_COMPLETION, first_unbuilt
 
 MAX_STOP_SEQUENCES = 64
@@ -56,6 +56,19 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _CommonRequest(_Body):
     model: str | None = None  # None: the served model
     n: int = 1
@@ -85,6 +98,43 @@ class _CommonRequest(_Body):
     # the generated (and prompt) token ids beside the text, so a client maps text back to exact tokens.
     prompt_logprobs: int | None = None
     return_token_ids: bool = False
+    # Structured output (leverlab/structured/): OpenAI's response_format, vLLM's structured_outputs and its
+    # older guided_* fields; at most one of them per request
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def _structured(self, tool_schema: dict | None = None) -> StructuredOutputsParams | None:
+        """The one grammar this request asks for, or None; two at once is a 400 naming the second."""
+        found: list[tuple[str, dict]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise BadRequest("response_format json_schema needs json_schema.schema", "response_format")
+            found.append(("response_format", {"json": rf.json_schema.json_schema}))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", dict(self.structured_outputs)))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                found.append((name, {key: getattr(self, name)}))
+        if tool_schema is not None:
+            found.append(("tool_choice", {"json": tool_schema}))
+        if not found:
+            return None
+        if len(found) > 1:
+            raise BadRequest(f"{found[1][0]} cannot be combined with {found[0][0]}: a request takes one grammar",
+                             found[1][0])
+        name, d = found[0]
+        try:
+            return StructuredOutputsParams.from_dict(d)
+        except (ValueError, TypeError) as e:
+            raise BadRequest(f"{name}: {e}", name) from e
 
     def _check_stop_token_ids(self, vocab_size: int) -> None:
         bad = next((t for t in self.stop_token_ids or [] if not 0 <= t < vocab_size), None)
@@ -118,8 +168,10 @@ class _CommonRequest(_Body):
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         tool_schema: dict | None = None) -> SamplingParams:
         self._refuse_unbuilt()
+        structured = self._structured(tool_schema)
         if self.prompt_logprobs is not None and self.stream:
             raise BadRequest("prompt_logprobs is returned only without streaming; set stream to false",
                              "prompt_logprobs")
@@ -155,6 +207,7 @@ class _CommonRequest(_Body):
                 logit_bias=dict(self.logit_bias) if self.logit_bias else None,
                 bad_words=list(self.bad_words) if self.bad_words else None,
                 allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+                structured_outputs=structured,
             )
         except ValueError as e:
             # SamplingParams messages start with the field name ("top_p must be ...")
@@ -295,19 +348,15 @@ class ChatMessage(BaseModel):
         return d
 
 
-class ResponseFormat(_Body):
-    type: str  # (json_schema and its other keys are refused by type for now: see fields.IN_PROGRESS)
-
-
 class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # checked by server/tools.py (plan_tools)
     tool_choice: Any = None
-    response_format: ResponseFormat | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -338,18 +387,10 @@ class ChatCompletionRequest(_CommonRequest):
         """max_completion_tokens wins over the deprecated max_tokens; None means 'fill the context'."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, tool_schema: dict | None = None) -> SamplingParams:
+        """tool_schema: the grammar tool_choice required / named imposes (server/tools.py)."""
         for i, m in enumerate(self.messages):
             m.check(i)
-        if self.tools:
-            raise BadRequest("tools are not supported yet", "tools")
-        if self.tool_choice not in (None, "none", "auto"):  # without tools, "auto" means no tool calls
-            raise BadRequest("tool_choice is not supported yet", "tool_choice")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise BadRequest(
-                f"response_format {self.response_format.type!r} is not supported; only 'text'",
-                "response_format",
-            )
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.add_generation_prompt and self.continue_final_message:
@@ -362,7 +403,7 @@ class ChatCompletionRequest(_CommonRequest):
                 f"top_logprobs must be an integer in [0, {SamplingParams.MAX_LOGPROBS}], got {logprobs}",
                 "top_logprobs",
             )
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, tool_schema)
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.as_template_dict() for m in self.messages]

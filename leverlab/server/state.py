@@ -58,6 +58,9 @@ class ServerState:
     # Set once the engine has drained: streams and waits still open end at once (see streaming._next).
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
     max_body_bytes: int = MAX_BODY_BYTES
+    # Tool calling (server/tools.py): tool_choice "auto" needs both, as in vLLM
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     @property
     def model_name(self) -> str:

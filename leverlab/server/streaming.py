@@ -25,6 +25,7 @@ from leverlab.outputs import CompletionOutput, RequestOutput
 from leverlab.server import responses as R
 from leverlab.server.errors import error_body, map_exception
 from leverlab.server.reasoning import ReasoningParser, ReasoningStream, message_fields
+from leverlab.server.tools import ToolPlan, ToolStream
 
 log = logging.getLogger("leverlab.server")
 
@@ -85,6 +86,8 @@ class _Sent:
     started: bool = False
     finished: bool = False
     reasoning: ReasoningStream | None = None  # this choice's reasoning split, with --reasoning-parser
+    content: str = ""  # chat with tools: the content so far, which the tool parser reads
+    tools: ToolStream | None = None  # chat with tools: what content and calls went out
 
 
 @dataclass
@@ -107,6 +110,7 @@ class StreamContext:
     prompt_logprobs_k: int | None = None  # prompt_logprobs (never streamed)
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage so far in every chunk
     return_token_ids: bool = False  # vLLM's return_token_ids
+    tools: ToolPlan | None = None  # chat with tools (server/tools.py)
     on_finished: Callable[[RequestOutput], None] | None = None
     on_aborted: Callable[[], None] | None = None
     # Shutdown: `draining()` turns true at SIGTERM; `stop` is set once the engine has drained, and a stream
@@ -150,6 +154,13 @@ def _delta_choice(ctx: StreamContext, c: CompletionOutput, index: int, sent: _Se
             delta.update(message_fields(r or None, content, ctx.include_reasoning, delta=True))
             if delta["content"] == "" and "reasoning" in delta:
                 del delta["content"]  # a reasoning delta carries no content key, as vLLM's
+        if ctx.tools is not None:  # tool calls split out of the content (server/tools.py)
+            sent.tools = sent.tools or ToolStream(ctx.tools)
+            sent.content += delta.pop("content", None) or ""
+            delta.update(sent.tools.delta(sent.content, c.finished))
+            finish = sent.tools.finish_reason(finish)
+            if set(delta) <= {"role"} and lp is None and finish is None and not first:
+                return None
         return {
             "index": index,
             "delta": delta,

@@ -49,6 +49,8 @@ BUILT = {
     "skip_special_tokens", "stop", "stop_token_ids", "stream", "stream_options", "temperature", "top_k",
     "top_p", "user", "add_generation_prompt", "chat_template", "chat_template_kwargs",
     "continue_final_message", "include_reasoning", "max_completion_tokens", "messages", "top_logprobs",
+    # structured output and tool calling (tests/server/test_structured.py)
+    "response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls",
 }
 CHAT_ONLY_REFUSED = {"echo", "return_tokens_as_token_ids"}  # built on completions, not (as vLLM's) on chat
 
@@ -81,11 +83,12 @@ def test_each_vllm_field_is_built_or_refused_by_name(client, chat, name):
     assert err.get("param") == name and name in err.get("message", ""), e.value.body
 
 
-def test_in_progress_list_is_refused_and_neutral_values_pass(client):
-    # the other half of issue 59 moves these to BUILT when it lands; until then each is a named 400
-    for name in fields.IN_PROGRESS:
+def test_older_structured_options_refused_and_neutral_values_pass(client):
+    # vLLM <= 0.10's guided_* options beside the grammar: one engine here, JSON always compact
+    for name in ("guided_decoding_backend", "guided_whitespace_pattern"):
+        assert name in fields.UNBUILT_COMMON
         with pytest.raises(openai.BadRequestError, match=name):
-            _send(client, True, name, {"type": "json_schema"} if name == "response_format" else {"x": 1})
+            _send(client, True, name, "xgrammar")
     # a field sent with the value that asks for nothing (vLLM's default) is accepted, as vLLM clients do
     r = client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
                                   extra_body={"priority": 0, "use_beam_search": False, "truncate_prompt_tokens": None})
