@@ -13,4 +13,8 @@ def __getattr__(name):
         from leverlab.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from leverlab.sampling_params import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(name)

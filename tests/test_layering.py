@@ -31,7 +31,7 @@ FLOORS: list[set[str]] = [
 ]
 FLOOR = {name: i for i, names in enumerate(FLOORS) for name in names}
 # The root package's lazy exports (leverlab/__init__.py): `from leverlab import LLM` is an import of llm.py.
-EXPORTS = {"LLM": "llm", "SamplingParams": "sampling_params"}
+EXPORTS = {"LLM": "llm", "SamplingParams": "sampling_params", "StructuredOutputsParams": "sampling_params"}
 
 
 def _part(module: str) -> str:
