@@ -26,7 +26,7 @@ from leverlab.speculative.decoder import SpecDecoder
 from leverlab.speculative.eagle3_format import aux_layers_for
 from leverlab.speculative_config import SpeculativeConfig
 from leverlab.structured.compiler import GrammarCompiler, GrammarError
-from leverlab.structured.masking import advance
+from leverlab.structured.masking import advance, prefetch
 from leverlab.worker.executor import make_executor
 from leverlab.worker.node import run_node
 from leverlab.worker.sampler import token_ranks, top_logprobs
@@ -192,7 +192,10 @@ class LLMEngine:
         batch = self._schedule()
         if not batch.seqs:
             return []
+        masks = prefetch(batch.seqs)  # structured output: grammar masks computed while the model runs
         result = self.runner.execute(batch)
+        if masks is not None:
+            masks.result()
         self._record_prompt_logprobs(result.prompt_logits)
         emitted, rejected = self.spec.choose_tokens(result)  # sampling, and verification of drafts
         # Structured output: matchers take the emitted tokens; jump-forward appends the tokens they force.

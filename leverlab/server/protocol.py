@@ -5,7 +5,9 @@ so a wrong body becomes a 400 that names the field, never an exception deeper in
 vLLM's extensions are accepted: `top_k`, `min_p`, the penalties, `logit_bias`, `bad_words`,
 `allowed_token_ids`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
 `skip_special_tokens`, `prompt_logprobs`, `return_token_ids`, (completions) `return_tokens_as_token_ids`, and
-(chat) `add_generation_prompt`, `chat_template_kwargs`, `include_reasoning`.
+(chat) `add_generation_prompt`, `chat_template_kwargs`, `include_reasoning`. Structured output
+(`response_format`, `structured_outputs`, `guided_*`) becomes SamplingParams.structured_outputs; tools:
+server/tools.py.
 Any other field is refused with a 400 naming it unless it asks for nothing (fields.py: vLLM's fields we do not
 build, sent with their neutral value, and a few OpenAI fields that cannot change the output); vLLM itself
 ignores unknown fields, we do not, so that nothing a client asked for is silently dropped.

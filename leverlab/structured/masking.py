@@ -1,5 +1,7 @@
 """The three calls the step loop makes for structured output (each a no-op for sequences without a grammar).
 
+  prefetch(seqs)                    before the forward: the masks are computed on a thread while the model runs
+                                    (llguidance releases the GIL); returns a handle to wait on
   mask_batch(logits, seqs)          before sampling: grammar rows get -inf outside their grammar; returns the
                                     rows whose grammar allows exactly one token (taken without a draw)
   mask_drafts(seq, rows, drafts)    before verification: the mask at each draft position, found by advancing
@@ -12,10 +14,30 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
 
 from leverlab.core.sequence import Sequence
-from leverlab.structured.state import unpack
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def prefetch(seqs: list[Sequence]) -> Future | None:
+    """Start computing the current mask of every grammar sequence in `seqs` (cached on its state), off this
+    thread. The caller must wait (`.result()`) before it touches those sequences' grammars again."""
+    todo = [s.grammar for s in seqs if s.grammar is not None and not s.grammar.has_banned]
+    if not todo:
+        return None
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(1, thread_name_prefix="leverlab-grammar")
+    return _POOL.submit(_fill, todo)
+
+
+def _fill(grammars) -> None:
+    for g in grammars:
+        g.banned()
 
 
 @torch.inference_mode()  # the logits are inference tensors: updated in place only inside it
@@ -25,16 +47,21 @@ def mask_batch(logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, int] | N
     rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
     if not rows:
         return None
-    words = seqs[rows[0]].grammar.words
-    bits = torch.empty(len(rows), words, dtype=torch.int32)
-    for j, i in enumerate(rows):
-        seqs[i].grammar.bitmask_into(bits[j])
-    allowed = _fit(unpack(bits), logits.shape[1])
-    idx = torch.tensor(rows)
-    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    banned = _fit(torch.stack([seqs[i].grammar.banned() for i in rows]), logits.shape[1], True)
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(banned, float("-inf"))
+    else:
+        idx = torch.tensor(rows)
+        logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
+    # Only sampled rows need it (greedy takes the argmax, the same token); one nonzero() for all of them.
+    sampled = [j for j, i in enumerate(rows) if not seqs[i].params.greedy]
     forced = {}
-    for j in (allowed.sum(dim=1) == 1).nonzero()[:, 0].tolist():
-        forced[rows[j]] = int(allowed[j].int().argmax())
+    if sampled:
+        sub = ~banned[sampled]
+        one = (sub.sum(dim=1) == 1).nonzero()[:, 0]
+        if one.numel():
+            for j, tok in sub[one].nonzero().tolist():
+                forced[rows[sampled[int(one[j])]]] = tok
     return forced
 
 
@@ -48,7 +75,7 @@ def mask_drafts(seq: Sequence, rows: torch.Tensor, drafts: list[int]) -> None:
         return
     taken = 0
     for j in range(len(drafts) + 1):
-        rows[j].masked_fill_(~_fit(g.allowed()[None], rows.shape[1])[0], float("-inf"))
+        rows[j].masked_fill_(_fit(g.banned()[None], rows.shape[1], True)[0], float("-inf"))
         if j == len(drafts) or g.try_accept([drafts[j]]) != 1:
             break
         taken += 1
@@ -77,8 +104,8 @@ def advance(emitted: list[tuple[Sequence, list[int], torch.Tensor]], jump_forwar
         tokens.extend(more)
 
 
-def _fit(allowed: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The mask cut or padded (False) to the logits' width."""
-    if allowed.shape[1] >= vocab:
-        return allowed[:, :vocab]
-    return torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+def _fit(mask: torch.Tensor, vocab: int, pad: bool) -> torch.Tensor:
+    """The mask [B, 32 W] cut or padded (with `pad`) to the logits' width."""
+    if mask.shape[1] >= vocab:
+        return mask[:, :vocab]
+    return torch.nn.functional.pad(mask, (0, vocab - mask.shape[1]), value=pad)

@@ -12,6 +12,11 @@ class SequenceGrammar:
         self.eos_token_ids = eos_token_ids
         self.words = (max(vocab_size, 1) + 31) // 32
         self._mask: torch.Tensor | None = None  # the allowed tokens in the current state, once computed
+        self._banned: torch.Tensor | None = None  # the same as bool [32 * words], True where not allowed
+
+    @property
+    def has_banned(self) -> bool:
+        return self._banned is not None
 
     def bitmask_into(self, row: torch.Tensor) -> None:
         """Write the current state's mask (one bit per token, int32 words) into `row` [words]."""
@@ -19,45 +24,53 @@ class SequenceGrammar:
             row.copy_(self._mask)
             return
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
-        self._mask = row.clone()
+        self._mask = row.clone()  # (jump-forward computed it after the last token; the sampler reads it)
+
+    def banned(self) -> torch.Tensor:
+        """bool [32 * words]: True for the tokens the grammar does not allow next (cached for this state)."""
+        if self._banned is None or self._mask is None:
+            row = torch.empty(self.words, dtype=torch.int32)
+            self.bitmask_into(row)
+            self._banned = ~unpack(row[None])[0]
+        return self._banned
 
     def allowed(self) -> torch.Tensor:
         """bool [vocab_size]: the tokens the grammar allows next."""
-        row = torch.empty(self.words, dtype=torch.int32)
-        self.bitmask_into(row)
-        return unpack(row[None])[0, : self.vocab_size]
+        return ~self.banned()[: self.vocab_size]
 
     def accept(self, tokens: list[int]) -> bool:
         """Advance by emitted tokens. False if one was not allowed (the matcher is then in error: it allows
         only end-of-sequence from there on)."""
         if not tokens:
             return True
-        self._mask = None
+        self._mask = self._banned = None
         return bool(self.matcher.consume_tokens(tokens))
 
     def try_accept(self, tokens: list[int]) -> int:
         """Advance by as many of `tokens` as the grammar allows (drafts); returns that count, no error state."""
         n = self.matcher.try_consume_tokens(tokens) if tokens else 0
         if n:
-            self._mask = None
+            self._mask = self._banned = None
         return n
 
     def rollback(self, n: int) -> None:
         if n:
             self.matcher.rollback(n)
-            self._mask = None
+            self._mask = self._banned = None
 
     def forced(self, limit: int) -> list[int]:
         """Tokens the grammar forces from here: while its mask allows exactly one token, consume it. Those are
         the tokens plain constrained decoding would pick too (greedy or sampled: masked, nothing else has any
-        probability), so appending them is lossless. Ends after an end-of-sequence token."""
+        probability), so appending them is lossless. Ends after an end-of-sequence token. The mask where it
+        stops is kept for the sampler."""
         out: list[int] = []
         while len(out) < limit and not self.matcher.is_error():
-            allowed = self.allowed()
-            idx = allowed.nonzero()
-            if idx.shape[0] != 1:
+            raw = self.matcher.compute_bitmask()  # token t is bit t of the little-endian bytes
+            bits = int.from_bytes(raw, "little")
+            if bits.bit_count() != 1:
+                self._mask = torch.frombuffer(bytearray(raw), dtype=torch.int32)[: self.words]
                 break
-            tok = int(idx[0, 0])
+            tok = bits.bit_length() - 1
             out.append(tok)
             if tok in self.eos_token_ids or not self.accept([tok]):
                 break

@@ -1,0 +1,111 @@
+"""Structured output's cost and jump-forward's gain, on the bundled model, in one run with interleaved rounds.
+
+Agent-style requests from the bundled prompt set (models/workload.json's chat prompts): half ask for a tool call
+(a schema shaped as vLLM's tool_choice "required" grammar: an array of {"name", "parameters"}), half for a
+JSON-schema answer. Three modes, each round in turn:
+  free         the same prompts unconstrained, each held to the token count its constrained answer had
+               (ignore_eos), so the grammar's own cost is what differs
+  constrained  the grammar's masks, jump-forward off (--no-structured-outputs-jump-forward)
+  jump-forward the grammar's masks, forced tokens appended without a decode pass each (the default)
+End-to-end latency (arrival to finish, per request) at concurrency 1 (one request at a time) and 16 (16 at
+once); the prefix cache is reset before each measurement.
+
+    python scripts/bench_structured.py [--rounds 3] [--requests 16] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from leverlab import LLM, SamplingParams, StructuredOutputsParams
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL_SCHEMA = {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "object", "anyOf": [
+    {"properties": {"name": {"type": "string", "enum": ["read_source_file"]},
+                    "parameters": {"type": "object", "additionalProperties": False, "required": ["path", "start_line"],
+                                   "properties": {"path": {"type": "string", "maxLength": 24},
+                                                  "start_line": {"type": "integer", "minimum": 1, "maximum": 9999}}}},
+     "required": ["name", "parameters"]},
+    {"properties": {"name": {"type": "string", "enum": ["run_python_tests"]},
+                    "parameters": {"type": "object", "additionalProperties": False, "required": ["test_module"],
+                                   "properties": {"test_module": {"type": "string", "maxLength": 24}}}},
+     "required": ["name", "parameters"]}]}}
+REVIEW_SCHEMA = {"type": "object", "additionalProperties": False,
+                 "required": ["function_name", "complexity_rating", "has_side_effects", "summary_of_behaviour"],
+                 "properties": {"function_name": {"type": "string", "maxLength": 20},
+                                "complexity_rating": {"type": "string", "enum": ["trivial", "moderate", "complicated"]},
+                                "has_side_effects": {"type": "boolean"},
+                                "summary_of_behaviour": {"type": "string", "maxLength": 40}}}
+
+
+def prompts(tokenizer, n: int) -> list[tuple[list[int], dict]]:
+    chats = json.loads((ROOT / "models" / "workload.json").read_text())["chat"]
+    out = []
+    for i in range(n):
+        msgs = chats[i % len(chats)]["messages"]
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        out.append((ids, TOOL_SCHEMA if i % 2 == 0 else REVIEW_SCHEMA))
+    return out
+
+
+def run(llm: LLM, reqs, concurrency: int, lengths: list[int] | None) -> tuple[list[float], list[int]]:
+    """Latencies (s) and output lengths; lengths given: free text of those lengths."""
+    llm.engine.reset_prefix_cache()
+    lat, lens = [], []
+    for start in range(0, len(reqs), concurrency):
+        chunk = reqs[start:start + concurrency]
+        params = []
+        for j, (_, schema) in enumerate(chunk):
+            if lengths is None:
+                params.append(SamplingParams(temperature=0, max_tokens=160,
+                                             structured_outputs=StructuredOutputsParams(json=schema)))
+            else:
+                params.append(SamplingParams(temperature=0, max_tokens=lengths[start + j], ignore_eos=True))
+        outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in chunk], params)
+        for o in outs:
+            lat.append(o.metrics.finished_time - o.metrics.arrival_time)
+            lens.append(len(o.outputs[0].token_ids))
+    return lat, lens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    plain = LLM(dtype=args.dtype, structured_outputs_jump_forward=False)
+    jf = LLM(dtype=args.dtype, structured_outputs_jump_forward=True)
+    reqs = prompts(plain.engine.tokenizer, args.requests)
+    lengths, _ = None, None
+    _, lengths = run(plain, reqs, 16, None)  # warm-up, and the constrained answers' lengths
+    modes = {"free": (plain, lengths), "constrained": (plain, None), "jump-forward": (jf, None)}
+    res: dict[tuple[str, int], list[float]] = {}
+    t0 = time.monotonic()
+    for _ in range(args.rounds):
+        for c in (1, 16):
+            for name, (llm, lens) in modes.items():
+                lat, got = run(llm, reqs, c, lens)
+                if lens is None:
+                    assert got == lengths, "constrained decoding must give the same tokens in every mode"
+                res.setdefault((name, c), []).extend(lat)
+    print(f"bundled model, {args.dtype}, {args.requests} requests (tool calls and JSON schemas), "
+          f"{sum(lengths)} output tokens each pass, {args.rounds} interleaved rounds, {time.monotonic() - t0:.0f} s")
+    print(f"{'concurrency':>11} {'mode':>13} {'P50 e2e ms':>11} {'mean e2e ms':>12} {'vs free':>8} {'vs constrained':>15}")
+    for c in (1, 16):
+        base = {m: statistics.mean(res[(m, c)]) for m in modes}
+        for m in modes:
+            v = res[(m, c)]
+            print(f"{c:>11} {m:>13} {statistics.median(v) * 1e3:>11.1f} {base[m] * 1e3:>12.1f} "
+                  f"{base[m] / base['free']:>8.3f} {base[m] / base['constrained']:>15.3f}")
+    plain.close()
+    jf.close()
+
+
+if __name__ == "__main__":
+    main()
