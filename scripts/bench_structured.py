@@ -1,8 +1,8 @@
 """Structured output's cost and jump-forward's gain, on the bundled model, in one run with interleaved rounds.
 
-Agent-style requests from the bundled prompt set (models/workload.json's chat prompts): half ask for a tool call
-(a schema shaped as vLLM's tool_choice "required" grammar: an array of {"name", "parameters"}), half for a
-JSON-schema answer. Three modes, each round in turn:
+The agent workload's requests (leverlab/bench/agent.py, from models/workload.json's chat prompts): half ask for a
+tool call (the grammar tool_choice "required" imposes: an array of {"name", "parameters"}), half for a JSON-schema
+answer, driven through the Python API (no HTTP) so that only the engine differs. Three modes, each round in turn:
   free         the same prompts unconstrained, each held to the token count its constrained answer had
                (ignore_eos), so the grammar's own cost is what differs
   constrained  the grammar's masks, jump-forward off (--no-structured-outputs-jump-forward)
@@ -22,24 +22,11 @@ import time
 from pathlib import Path
 
 from leverlab import LLM, SamplingParams, StructuredOutputsParams
+from leverlab.bench import agent
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOL_SCHEMA = {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "object", "anyOf": [
-    {"properties": {"name": {"type": "string", "enum": ["read_source_file"]},
-                    "parameters": {"type": "object", "additionalProperties": False, "required": ["path", "start_line"],
-                                   "properties": {"path": {"type": "string", "maxLength": 24},
-                                                  "start_line": {"type": "integer", "minimum": 1, "maximum": 9999}}}},
-     "required": ["name", "parameters"]},
-    {"properties": {"name": {"type": "string", "enum": ["run_python_tests"]},
-                    "parameters": {"type": "object", "additionalProperties": False, "required": ["test_module"],
-                                   "properties": {"test_module": {"type": "string", "maxLength": 24}}}},
-     "required": ["name", "parameters"]}]}}
-REVIEW_SCHEMA = {"type": "object", "additionalProperties": False,
-                 "required": ["function_name", "complexity_rating", "has_side_effects", "summary_of_behaviour"],
-                 "properties": {"function_name": {"type": "string", "maxLength": 20},
-                                "complexity_rating": {"type": "string", "enum": ["trivial", "moderate", "complicated"]},
-                                "has_side_effects": {"type": "boolean"},
-                                "summary_of_behaviour": {"type": "string", "maxLength": 40}}}
+TOOL_SCHEMA = agent.tool_call_schema()  # the agent workload's tools under tool_choice "required"
+REVIEW_SCHEMA = agent.REVIEW
 
 
 def prompts(tokenizer, n: int) -> list[tuple[list[int], dict]]:
@@ -62,7 +49,7 @@ def run(llm: LLM, reqs, concurrency: int, lengths: list[int] | None) -> tuple[li
         params = []
         for j, (_, schema) in enumerate(chunk):
             if lengths is None:
-                params.append(SamplingParams(temperature=0, max_tokens=160,
+                params.append(SamplingParams(temperature=0, max_tokens=agent.MAX_TOKENS,
                                              structured_outputs=StructuredOutputsParams(json=schema)))
             else:
                 params.append(SamplingParams(temperature=0, max_tokens=lengths[start + j], ignore_eos=True))

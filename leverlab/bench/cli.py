@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--no-metrics", action="store_true", help="do not scrape the server's Prometheus /metrics")
     w = p.add_argument_group("workload")
     w.add_argument(
-        "--workload", choices=("buckets", "sharegpt", "synthetic", "shared-prefix"), default="buckets"
+        "--workload", choices=("buckets", "sharegpt", "synthetic", "shared-prefix", "agent"), default="buckets"
     )
     w.add_argument(
         "--workload-file", default=None, help="prompt-set JSON (default: the bundled models/workload.json)"

@@ -50,10 +50,13 @@ def build_payload(
     # vLLM's extensions (our server follows them) hold the output length exact so runs compare. ignore_eos
     # alone is what `vllm bench serve` sends and suffices with max_tokens; min_tokens is opt-in for servers
     # that honour it but not ignore_eos. The harness checks the lengths either way (output_len_mismatches).
-    if ignore_eos:
-        payload["ignore_eos"] = True
-    if min_tokens:
-        payload["min_tokens"] = req.output_len
+    if req.body is not None:  # its grammar ends it: no exact length
+        payload.update(req.body)
+    else:
+        if ignore_eos:
+            payload["ignore_eos"] = True
+        if min_tokens:
+            payload["min_tokens"] = req.output_len
     if extra_body:
         payload.update(extra_body)
     return payload
@@ -117,7 +120,8 @@ async def send_request(
 ) -> RequestRecord:
     """POST one streaming request and time it; never raises for request errors (they go in .error)."""
     rec = RequestRecord(
-        id=req.id, group=group, bucket=req.bucket, output_len=req.output_len, prompt_tokens=req.prompt_tokens
+        id=req.id, group=group, bucket=req.bucket, output_len=req.output_len, prompt_tokens=req.prompt_tokens,
+        exact_len=req.body is None,
     )
     chars = 0
     st = time.perf_counter()

@@ -12,7 +12,7 @@ from typing import Any
 
 from leverlab.bench.records import RequestRecord
 
-WORKLOADS = ("buckets", "sharegpt", "synthetic", "shared-prefix")
+WORKLOADS = ("buckets", "sharegpt", "synthetic", "shared-prefix", "agent")
 ENDPOINTS = ("completions", "chat")
 
 
@@ -59,6 +59,8 @@ class BenchConfig:
             raise ValueError(f"unknown workload {self.workload!r}; choose from {', '.join(WORKLOADS)}")
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"unknown endpoint {self.endpoint!r}; choose from {', '.join(ENDPOINTS)}")
+        if self.workload == "agent" and self.endpoint != "chat":
+            raise ValueError("the agent workload is chat turns (tools, response_format): use --endpoint chat")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError("num_prompts must be >= 1")
         if any(c < 1 for c in self.concurrency):

@@ -147,7 +147,7 @@ def aggregate(
     slo_given = any(v is not None for v in (slo_ttft_ms, slo_tpot_ms, slo_e2e_ms))
     good = sum(is_good(r, slo_ttft_ms, slo_tpot_ms, slo_e2e_ms) for r in ok) if slo_given else None
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
-    mismatched = [r.id for r in ok if r.output_tokens is not None and r.output_tokens != r.output_len]
+    mismatched = [r.id for r in ok if r.exact_len and r.output_tokens is not None and r.output_tokens != r.output_len]
 
     agg = {
         "requests": len(records),

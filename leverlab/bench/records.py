@@ -18,6 +18,9 @@ class BenchRequest:
     messages: list[dict[str, Any]] | None = None
     prompt_tokens: int | None = None  # as the workload counted them; the server's usage wins when given
     source: str | None = None
+    # Request fields of its own (structured output, tools: the agent workload). Such a request ends where its
+    # grammar does: output_len is its max_tokens, not an exact length (no ignore_eos).
+    body: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -29,6 +32,7 @@ class RequestRecord:
     group: str
     bucket: str
     output_len: int  # requested
+    exact_len: bool = True  # False: output_len was a cap (a grammar ends the request), not checked
     ok: bool = False
     error: str | None = None
     http_status: int | None = None

@@ -17,12 +17,15 @@ from typing import Any
 import httpx
 
 from leverlab.bench import metrics, prometheus, strategies
+from leverlab.bench.agent import BUCKET as AGENT_BUCKET
+from leverlab.bench.agent import agent_requests
 from leverlab.bench.client import build_payload, send_request
 from leverlab.bench.config import BenchConfig, BenchResult
 from leverlab.bench.manifest import git_info, harness_versions, machine_info, now_iso
 from leverlab.bench.records import BenchRequest, RequestRecord
 from leverlab.bench.workloads import (
     Workload,
+    default_workload_path,
     load_buckets,
     load_sharegpt,
     load_tokenizer,
@@ -96,6 +99,9 @@ def build_workload(cfg: BenchConfig, tokenizer_path: str | None = None) -> Workl
 
 
 def _build(cfg: BenchConfig, tok) -> Workload:
+    if cfg.workload == "agent":  # tool calls and JSON-schema answers from the prompt set's chat turns
+        reqs = agent_requests(Path(cfg.workload_file or default_workload_path()), cfg.num_prompts, cfg.seed)
+        return Workload("agent", {AGENT_BUCKET: reqs}, {"kind": "agent", "requests": len(reqs)})
     if cfg.workload == "buckets":
         return load_buckets(
             cfg.workload_file,
@@ -149,6 +155,7 @@ def _cycle(reqs: list[BenchRequest], n: int) -> list[BenchRequest]:
                 messages=r.messages,
                 prompt_tokens=r.prompt_tokens,
                 source=r.source,
+                body=r.body,
             )
         )
     return out

@@ -44,7 +44,9 @@ class ToolPlan:
         calls = [{"type": "object",
                   "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                                  "parameters": _params(t)},
-                  "required": ["name", "parameters"]} for t in self.tools]
+                  "required": ["name", "parameters"],
+                  # (vLLM's leaves other keys open: a model can then add keys until max_tokens)
+                  "additionalProperties": False} for t in self.tools]
         schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
         return schema if self.parallel else {**schema, "maxItems": 1}
 

@@ -191,3 +191,16 @@ def test_hermes_auto_tool_calls(start_server):
     r = c.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=5, temperature=0)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
     srv.stop()
+
+
+def test_agent_workload_through_the_harness(server, tmp_path):
+    """`leverlab bench --workload agent --endpoint chat`: tool calls and JSON-schema answers, all valid."""
+    from leverlab.bench import BenchConfig, run_benchmark
+
+    res = run_benchmark(BenchConfig(base_url=server.url + "/v1", workload="agent", endpoint="chat", num_prompts=4,
+                                    concurrency=[2], warmup=0, out_dir=str(tmp_path / "bench")))
+    records = [json.loads(line) for line in (tmp_path / "bench" / "records.jsonl").read_text().splitlines()]
+    assert records and all(r["ok"] for r in records), records[:2]
+    assert {r["finish_reason"] for r in records} <= {"stop", "tool_calls"}, [(r["id"], r["finish_reason"], r["output_tokens"]) for r in records if r["finish_reason"] == "length"]
+    assert all(g["output_len_mismatches"] == 0 for g in res.groups)
+    assert server.wait_idle()["leverlab_kv_blocks_used"] == 0
