@@ -307,7 +307,7 @@ class LLMEngine:
     def counter_snapshot(self) -> dict[str, float]:
         """Monotonic totals for /metrics and bench results: the engine's and each lever's."""
         return {**self.counters, **self.blocks.stats.as_counters(), **self.spec.counter_snapshot(),
-                **self.executor.counters()}
+                **self.executor.counters(), **self.grammars.counters()}
 
     @property
     def proposer(self):

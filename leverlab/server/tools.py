@@ -136,8 +136,9 @@ class ToolStream:
                                   "function": {"name": c["name"], "arguments": c["arguments"]}}
                                  for i, c in enumerate(new)]
             self.calls_sent += len(new)
-        elif final and p.mode == "required" and not calls and len(text) > self.content_sent:
-            out["content"] = text[self.content_sent:]  # not valid calls (cut short): the text as content
+        elif final and not calls and not self.calls_sent and len(text) > self.content_sent:
+            # no valid calls after all (cut short, or not JSON): the rest is content, as in the full response
+            out["content"] = out.get("content", "") + text[self.content_sent:]
             self.content_sent = len(text)
         return out
 

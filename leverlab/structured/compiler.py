@@ -11,6 +11,9 @@ import json
 import threading
 from collections import OrderedDict
 
+import llguidance
+import llguidance.hf
+
 from leverlab.sampling_params import StructuredOutputsParams
 from leverlab.structured.state import SequenceGrammar
 
@@ -34,8 +37,6 @@ class GrammarCompiler:
 
     def _tokenizer(self):
         if self._tok is None:
-            import llguidance.hf
-
             # n_vocab: the logits' width (the model's vocabulary can be padded past the tokenizer's)
             self._tok = llguidance.hf.from_tokenizer(self._hf, n_vocab=max(self.vocab_size, len(self._hf)),
                                                      eos_token=list(self.eos_token_ids) or None)
@@ -43,8 +44,6 @@ class GrammarCompiler:
 
     def compile(self, so: StructuredOutputsParams):
         """The pristine matcher for `so` (cached); GrammarError if it does not compile."""
-        import llguidance
-
         key = so.key()
         with self._lock:
             hit = self._cache.get(key)
@@ -65,9 +64,9 @@ class GrammarCompiler:
                 grammar = llguidance.grammar_from("choice", json.loads(text))
             else:
                 grammar = llguidance.grammar_from("regex" if kind == "regex" else "grammar", text)
-        except ValueError as e:
+            matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
+        except Exception as e:  # noqa: BLE001 - whatever the grammar engine says of a client's grammar is a 400
             raise GrammarError(f"structured output: {kind} does not compile: {e}") from e
-        matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"structured output: {kind} does not compile: {matcher.get_error()}")
         with self._lock:
@@ -76,6 +75,10 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return matcher
 
+    def counters(self) -> dict[str, float]:
+        return {"structured_grammar_cache_hits": self.hits, "structured_grammar_cache_misses": self.misses}
+
     def new_state(self, so: StructuredOutputsParams) -> SequenceGrammar:
         """A fresh matcher for one sequence."""
-        return SequenceGrammar(self.compile(so).deep_copy(), self.vocab_size, self.eos_token_ids)
+        return SequenceGrammar(self.compile(so).deep_copy(), self.vocab_size, self.eos_token_ids,
+                               self._tokenizer().vocab_size)

@@ -6,11 +6,12 @@ import torch
 
 
 class SequenceGrammar:
-    def __init__(self, matcher, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(self, matcher, vocab_size: int, eos_token_ids: tuple[int, ...], mask_vocab: int | None = None):
+        """vocab_size: the logits' width; mask_vocab: the grammar tokenizer's (its masks' width), when larger."""
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self.words = (max(vocab_size, 1) + 31) // 32
+        self.words = (max(vocab_size, mask_vocab or 0, 1) + 31) // 32
         self._mask: torch.Tensor | None = None  # the allowed tokens in the current state, once computed
         self._banned: torch.Tensor | None = None  # the same as bool [32 * words], True where not allowed
 
@@ -29,14 +30,15 @@ class SequenceGrammar:
     def banned(self) -> torch.Tensor:
         """bool [32 * words]: True for the tokens the grammar does not allow next (cached for this state)."""
         if self._banned is None or self._mask is None:
+            if self.matcher.is_error():
+                # A token the grammar refused got in (min_tokens banned the only end it allowed): end it.
+                self._banned = torch.ones(self.words * 32, dtype=torch.bool)
+                self._banned[[t for t in self.eos_token_ids if t < self.words * 32]] = False
+                return self._banned
             row = torch.empty(self.words, dtype=torch.int32)
             self.bitmask_into(row)
             self._banned = ~unpack(row[None])[0]
         return self._banned
-
-    def allowed(self) -> torch.Tensor:
-        """bool [vocab_size]: the tokens the grammar allows next."""
-        return ~self.banned()[: self.vocab_size]
 
     def accept(self, tokens: list[int]) -> bool:
         """Advance by emitted tokens. False if one was not allowed (the matcher is then in error: it allows

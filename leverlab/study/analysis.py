@@ -143,6 +143,9 @@ def analyze(out_dir: Path, price_per_hour: float | None = None) -> dict[str, Any
         summary_path = out_dir / s.name / "bench" / "summary.json"
         if c["status"] == "done" and summary_path.is_file():
             c["metrics"] = config_metrics(json.loads(summary_path.read_text()), sweep_bucket)
+            agent_path = out_dir / s.name / "bench-agent" / "summary.json"
+            if agent_path.is_file():  # the agent workload (finding J): its c=1 pass and sweep
+                c["metrics"]["agent"] = config_metrics(json.loads(agent_path.read_text()), "agent")
         configs.append(c)
     base = configs[0]
     base_fid = _load_fid(out_dir, base["name"]) if base["status"] == "done" else None

@@ -14,6 +14,8 @@ Levers and the fields they own (a lever is the unit of "one change"):
   batching         how requests meet the server              "continuous" (default), "static" (waves of N =
                                                              the concurrency; a client-side workload)
   model            right-sizing: serve another model         a folder of the same family ("models/...-draft")
+  structured       structured output's jump-forward on/off   true / false (the step and its parent also run
+                                                             the agent workload: tool calls, JSON schemas)
 Adding a lever: its name in LEVERS, its field on Levers, and one entry in each of LEVER_FIELDS / lever_values /
 with_lever / describe (and parse_value for --steps); engines say what they cannot express in unsupported().
 Plans come from code (default_plan / full_plan / tiny_plan) or a YAML/TOML file (plan_files.load_plan).
@@ -36,6 +38,7 @@ LEVERS = (
     "batch_policy",
     "batching",
     "model",
+    "structured",
 )
 # The Levers fields each lever owns (Levers.take copies them from one configuration into another).
 LEVER_FIELDS = {
@@ -48,6 +51,7 @@ LEVER_FIELDS = {
     "batch_policy": ("max_num_seqs",),
     "batching": ("batching",),
     "model": ("model",),
+    "structured": ("structured_jump_forward",),
 }
 BATCHING = ("continuous", "static")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -71,6 +75,7 @@ class Levers:
     max_num_seqs: int = 64
     batching: str = "continuous"  # "static": the harness sends waves (bench/strategies.py static_batches)
     model: str | None = None  # None: the study's model; else a smaller model of its family (right-sizing)
+    structured_jump_forward: bool = True  # --structured-outputs-jump-forward (read by the agent workload)
 
     def lever_values(self) -> dict[str, Any]:
         """Lever name -> the value that lever owns (what 'changes one lever' compares)."""
@@ -84,6 +89,7 @@ class Levers:
             "batch_policy": self.max_num_seqs,
             "batching": self.batching,
             "model": self.model,
+            "structured": self.structured_jump_forward,
         }
 
     def take(self, lever: str, other: Levers) -> Levers:
@@ -126,6 +132,10 @@ class Levers:
             if value not in BATCHING:
                 raise PlanError(f"batching is one of {', '.join(BATCHING)}, got {value!r}")
             return replace(self, batching=value)
+        if lever == "structured":
+            if not isinstance(value, bool):
+                raise PlanError(f"structured (jump-forward) must be true or false, got {value!r}")
+            return replace(self, structured_jump_forward=value)
         if lever == "model":
             if value in (None, "", "none"):
                 return replace(self, model=None)
@@ -162,6 +172,8 @@ class Levers:
             return Path(self.model).name if self.model else "the study's model"
         if lever == "replicas":
             return f"DP={self.data_parallel_size}"
+        if lever == "structured":
+            return "jump-forward " + ("on" if self.structured_jump_forward else "off")
         return f"max_num_seqs={self.max_num_seqs}"
 
 
@@ -208,6 +220,11 @@ class Plan:
         validate(self.steps)
         if self.exactness not in ("every", "speculation"):
             raise PlanError(f"exactness is 'every' or 'speculation', got {self.exactness!r}")
+
+    def runs_agent(self, step: Step) -> bool:
+        """Whether this configuration also runs the agent workload: a structured step, or the parent of one."""
+        return step.lever == "structured" or any(s.lever == "structured" and s.parent == step.name
+                                                 for s in self.steps)
 
     def checks_exactness(self, step: Step) -> bool:
         if not step.levers.speculative:
@@ -362,6 +379,10 @@ def _reference_steps(b: PlanBuilder, *, full: bool) -> PlanBuilder:
         note="right-sizing: the family's smaller model (the draft) served instead",
         single_buckets=light,
     )
+    if full:
+        # Finding J reads only the agent workload, which this step and the baseline run besides the buckets.
+        b.step("no-jump-forward", "structured", False, parent="baseline", single_buckets=(),
+               note="structured output without jump-forward: every forced token decoded one pass each")
     return b
 
 

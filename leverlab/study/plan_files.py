@@ -120,6 +120,10 @@ def parse_value(lever: str, value: str) -> Any:
         if value.lower() not in ("on", "off", "true", "false"):
             raise PlanError(f"prefix_caching is on or off, got {value!r}")
         return value.lower() in ("on", "true")
+    if lever == "structured":
+        if value.lower() not in ("on", "off", "true", "false"):
+            raise PlanError(f"structured (jump-forward) is on or off, got {value!r}")
+        return value.lower() in ("on", "true")
     if lever in ("tensor_parallel", "replicas", "batch_policy"):
         return int(value)
     return value  # precision, kv_cache_dtype, batching, model: as written

@@ -57,6 +57,8 @@ def prepare_workload(src: str | Path, plan: Plan, dest: Path) -> Path:
             b["prompts"] = b["prompts"][: plan.num_prompts]
         b["output_len"] = max(1, round(b["output_len"] * plan.output_scale))
         out["buckets"][name] = b
+    if raw.get("chat"):
+        out["chat"] = raw["chat"]  # the agent workload's turns (bench/agent.py)
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(out, indent=1))
     return dest
@@ -151,6 +153,9 @@ def _mmss(s: float) -> str:
 # ---- one configuration ---------------------------------------------------------------------------------------
 
 
+AGENT_PROMPTS = 8  # agent-workload requests per configuration (concurrency 1, and the sweep's levels)
+
+
 def run_config(
     step: Step,
     plan: Plan,
@@ -198,6 +203,14 @@ def run_config(
         errors = sum(g["errors"] for g in res.groups)
         completed = sum(g["completed"] for g in res.groups)
         rec.update(bench_dir="bench", requests_completed=completed, request_errors=errors)
+        if plan.runs_agent(step) and engine.name == "leverlab":
+            # Finding J: tool calls and JSON schemas (bench/agent.py); other engines need other server flags
+            # for tools (vLLM: --tool-call-parser), so only ours runs it.
+            progress.say("  agent workload (tool calls, JSON schemas)")
+            agent = run_benchmark(replace(bench_cfg, workload="agent", endpoint="chat", buckets=None,
+                                          num_prompts=AGENT_PROMPTS, sweep_bucket="agent",
+                                          out_dir=str(cfg_dir / "bench-agent")), progress.bench_progress())
+            rec.update(agent_bench_dir="bench-agent", agent_errors=sum(g["errors"] for g in agent.groups))
         if engine.fidelity_mode == "http":
             fid = _fidelity_http(engine, handle.base_url, step, plan, fid_prompts, cfg_dir, rec)
     except Exception as e:  # noqa: BLE001 - any failure is recorded with its reason, never dropped

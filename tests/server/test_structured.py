@@ -204,3 +204,25 @@ def test_agent_workload_through_the_harness(server, tmp_path):
     assert {r["finish_reason"] for r in records} <= {"stop", "tool_calls"}, [(r["id"], r["finish_reason"], r["output_tokens"]) for r in records if r["finish_reason"] == "length"]
     assert all(g["output_len_mismatches"] == 0 for g in res.groups)
     assert server.wait_idle()["leverlab_kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("text", [
+    'hi <tool_call>\n{"name": "search", "arguments": {"query": "x", "limit": 2}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>',
+    'no call at all, a < sign and <tool',
+    'cut short <tool_call>\n{"name": "search", "argu',
+])
+def test_hermes_stream_deltas_concatenate_to_the_full_message(text):
+    """Fed one character at a time, the streamed content and calls equal the full response's."""
+    from leverlab.server.tools import ToolStream, plan_tools
+
+    plan = plan_tools(TOOLS, "auto", True, "hermes")
+    msg, finish = plan.message(text, "stop")
+    st, content, calls = ToolStream(plan), "", []
+    for i in range(1, len(text) + 1):
+        d = st.delta(text[:i], final=i == len(text))
+        content += d.get("content") or ""
+        calls += [(c["function"]["name"], c["function"]["arguments"]) for c in d.get("tool_calls", [])]
+    assert content == (msg["content"] or "")
+    assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])]
+    assert st.finish_reason("stop") == finish

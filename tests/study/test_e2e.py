@@ -29,6 +29,8 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shuti
 def tiny_plan() -> Plan:
     b = PlanBuilder(levers=Levers(dtype="float32"))
     b.step("ngram", "speculation", {"method": "ngram", "num_speculative_tokens": 3})
+    # finding J: this step and the baseline also run the agent workload (tool calls, JSON schemas)
+    b.step("no-jf", "structured", False, parent="baseline", single_buckets=())
     return Plan(
         "tiny",
         b.steps,
@@ -50,8 +52,10 @@ def write_workload(path):
     prompts = [
         {"id": f"short-{i}", "source": "test", "text": t, "num_tokens": 16} for i, t in enumerate(TEXTS)
     ]
+    chat = [{"id": f"chat-{i}", "source": "test", "messages": [{"role": "user", "content": t}]}
+            for i, t in enumerate(TEXTS)]
     path.write_text(
-        json.dumps({"buckets": {"short": {"input_tokens": 16, "output_len": 32, "prompts": prompts}}})
+        json.dumps({"buckets": {"short": {"input_tokens": 16, "output_len": 32, "prompts": prompts}}, "chat": chat})
     )
     return path
 
@@ -89,7 +93,7 @@ def study(checkpoint_factory, tmp_path_factory):
 
 def test_every_configuration_measured_with_fidelity_and_prediction(study):
     out, state, a = study
-    assert [c["name"] for c in a["configs"]] == ["baseline", "ngram"]
+    assert [c["name"] for c in a["configs"]] == ["baseline", "ngram", "no-jf"]
     for c in a["configs"]:
         assert c["status"] == "done", (
             c["name"],
@@ -102,7 +106,7 @@ def test_every_configuration_measured_with_fidelity_and_prediction(study):
         assert m["request_errors"] == 0
         p = c["prediction"]
         assert p["roofline_tok_s"] > 0 and p["calibrated_tok_s"] > 0 and p["measured_decode_tok_s"] > 0
-    base, ngram = a["configs"]
+    base, ngram, no_jf = a["configs"]
     # the baseline against itself is identical by construction; n-gram in float32 must be exact too
     assert base["fidelity"]["agreement"]["share_identical"] == 1.0
     assert base["fidelity"]["kl"]["mean"] == pytest.approx(0.0, abs=1e-9)
@@ -111,7 +115,12 @@ def test_every_configuration_measured_with_fidelity_and_prediction(study):
     assert f["exactness"]["exact"] is True and not ngram["bug"]
     assert ngram["metrics"]["drafted"] is not None  # the spec counters were read from /metrics
     assert ngram["prediction"]["tokens_per_pass"] >= 1.0
-    assert {f["id"] for f in a["findings"]} >= {"1", "2", "3", "S"}
+    assert {f["id"] for f in a["findings"]} >= {"1", "2", "3", "S", "J"}
+    # the agent workload ran on the structured step and its parent only, every request answered
+    assert "agent" not in ngram["metrics"]
+    for c in (base, no_jf):
+        assert c["metrics"]["agent"]["e2e_p50_s"] > 0 and state.data["configs"][c["name"]]["agent_errors"] == 0
+    assert next(f for f in a["findings"] if f["id"] == "J")["status"] != "not tested"
 
 
 def test_report_markdown_has_every_section(study):
@@ -192,7 +201,7 @@ def test_compare_puts_two_study_folders_side_by_side(study, tmp_path):
     md = (tmp_path / "c" / "report.md").read_text()
     assert "## Side by side" in md and "| baseline |" in md and "| ngram |" in md
     c = json.loads((tmp_path / "c" / "compare.json").read_text())
-    assert c["bandwidth_ratio"] == 2.0 and [r["decode_speedup"] for r in c["rows"]] == [1.0, 1.0]
+    assert c["bandwidth_ratio"] == 2.0 and [r["decode_speedup"] for r in c["rows"]] == [1.0, 1.0, 1.0]
     # same figures under twice the bandwidth: the speedups do not track it
     assert c["memory_finding"]["status"] == "not reproduced" and "NOT REPRODUCED" in md
     bad = subprocess.run(

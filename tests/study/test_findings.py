@@ -208,7 +208,7 @@ def test_multiply_compares_the_same_change_on_two_parents():
 
 def test_check_all_never_raises():
     out = F.check_all({"configs": [cfg("b", None, None, Levers(), "failed")], "bandwidth_gbs": 10.0})
-    assert len(out) == 11 and all(
+    assert len(out) == 12 and all(
         f["status"] in (F.REPRODUCED, F.PARTLY, F.NOT_REPRODUCED, F.NOT_TESTED) for f in out
     )
 
@@ -300,6 +300,19 @@ def test_model_finding_reports_speed_and_fidelity():
     assert f["status"] == F.REPRODUCED and "decode 2.50x" in f["evidence"] and "1/4 greedy" in f["evidence"]
     small["metrics"]["decode_tok_s"] = 99.0
     assert F.check_model({"configs": [base, small]})["status"] == F.NOT_REPRODUCED
+
+
+def test_jump_forward_finding_reads_the_agent_workload():
+    agent = lambda p50, p16: {"e2e_p50_s": p50, "c_max": 16, "sweep": {16: {"e2e_p50_s": p16}}}  # noqa: E731
+    base = cfg("b", None, None, Levers(), agent=agent(0.05, 0.20))
+    off = cfg("off", "b", "structured", Levers(structured_jump_forward=False), agent=agent(0.10, 0.24))
+    f = F.check_jump_forward({"configs": [base, off]})
+    assert f["status"] == F.REPRODUCED and "50 ms" in f["evidence"] and "2.00x" in f["evidence"]
+    off["metrics"]["agent"] = agent(0.05, 0.2)
+    assert F.check_jump_forward({"configs": [base, off]})["status"] == F.NOT_REPRODUCED
+    del off["metrics"]["agent"]
+    assert F.check_jump_forward({"configs": [base, off]})["status"] == F.NOT_TESTED
+    assert F.check_jump_forward({"configs": [base]})["status"] == F.NOT_TESTED
 
 
 def test_memory_finding_from_two_runs():

@@ -52,7 +52,8 @@ def test_full_plan_covers_every_lever():
     assert levers == set(LEVERS)
     # the default plan's steps in place, the full plan's own between them, in the order --full always had
     assert [s.name for s in full_plan().steps][10:] == [
-        "int8-kv-int8", "no-prefix-cache", "baseline-tp2", "max-seqs-4", "static-batching", "smaller-model"
+        "int8-kv-int8", "no-prefix-cache", "baseline-tp2", "max-seqs-4", "static-batching", "smaller-model",
+        "no-jump-forward",
     ]
     byn = {s.name: s for s in full_plan().steps}
     assert byn["static-batching"].levers.batching == "static" and byn["static-batching"].parent == "baseline"
@@ -190,3 +191,15 @@ def test_study_workload_subset_and_fidelity_prompts(tmp_path):
     assert b["medium"]["output_len"] == 128 and b["decode"]["output_len"] == 512  # halved, 1:4 kept
     picked = fidelity_prompts(wl, 4)
     assert [p["id"].split("-")[0] for p in picked] == ["short", "decode", "medium", "long"]
+
+
+def test_structured_lever_and_who_runs_the_agent_workload():
+    from leverlab.study.plan import full_plan
+    from leverlab.study.plan_files import parse_value
+
+    p = full_plan()
+    step = p.step("no-jump-forward")
+    assert step.lever == "structured" and step.levers.structured_jump_forward is False
+    assert step.levers.describe("structured") == "jump-forward off"
+    assert p.runs_agent(step) and p.runs_agent(p.step("baseline")) and not p.runs_agent(p.step("int8"))
+    assert parse_value("structured", "off") is False and parse_value("structured", "on") is True

@@ -93,6 +93,8 @@ class LeverLabEngine(Engine):
         if levers.data_parallel_size != 1:
             cmd += ["--data-parallel-size", str(levers.data_parallel_size)]
         cmd += ["--max-num-seqs", str(levers.max_num_seqs)]
+        if not levers.structured_jump_forward:
+            cmd += ["--no-structured-outputs-jump-forward"]
         if self.max_num_batched_tokens:
             cmd += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         return cmd
@@ -113,4 +115,5 @@ class LeverLabEngine(Engine):
             "batch_policy": "--max-num-seqs",
             "batching": "continuous in the engine; static as a client-side workload (waves), on any engine",
             "model": "the model folder served (right-sizing)",
+            "structured": "--structured-outputs-jump-forward / --no-structured-outputs-jump-forward",
         }

@@ -175,6 +175,8 @@ class LlamaCppEngine(Engine):
 
     def unsupported(self, levers: Levers) -> dict[str, str]:
         gaps: dict[str, str] = {}
+        if not levers.structured_jump_forward:
+            gaps["structured"] = "llama.cpp's server has no jump-forward switch"
         prec = levers.precision_label()
         if levers.model and self._model_file("", levers) is None and f"model {levers.model}" not in self.errors:
             gaps["model"] = f"no GGUF file of {levers.model} at {prec}"

@@ -153,6 +153,8 @@ class VLLMEngine(Engine):
 
     def unsupported(self, levers: Levers) -> dict[str, str]:
         gaps: dict[str, str] = {}
+        if not levers.structured_jump_forward:
+            gaps["structured"] = "vLLM has no jump-forward switch (its grammar engine decodes every token)"
         q = levers.quantization
         if q and q not in ON_THE_FLY and q not in EXPORTS and q not in self.checkpoints:
             gaps["precision"] = f"{q} needs a pre-quantized checkpoint (--vllm-checkpoint {q}=DIR)"
