@@ -180,8 +180,9 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, enable_auto: bool, par
         return ToolPlan("required", tools, parallel=parallel_tool_calls is not False)
     if choice == "auto":
         if not enable_auto or parser_name is None:
-            raise BadRequest('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
-                             "tool_choice")
+            # (named after what the client sent: `tools` alone mean "auto")
+            raise BadRequest('"auto" tool choice (the default with `tools`) requires --enable-auto-tool-choice and '
+                             "--tool-call-parser to be set", "tools" if tool_choice is None else "tool_choice")
         return ToolPlan("auto", tools, parser=PARSERS[parser_name]())
     fn = choice.get("function") if isinstance(choice, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):

@@ -49,8 +49,9 @@ BUILT = {
     "skip_special_tokens", "stop", "stop_token_ids", "stream", "stream_options", "temperature", "top_k",
     "top_p", "user", "add_generation_prompt", "chat_template", "chat_template_kwargs",
     "continue_final_message", "include_reasoning", "max_completion_tokens", "messages", "top_logprobs",
-    # structured output and tool calling (tests/server/test_structured.py)
-    "response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls",
+    # structured output and tool calling (tests/server/test_structured.py); `tool_choice` without `tools` and
+    # `tools` alone (tool_choice "auto" by default) on a server without --enable-auto-tool-choice are 400s, as vLLM's
+    "response_format", "structured_outputs", "parallel_tool_calls",
 }
 CHAT_ONLY_REFUSED = {"echo", "return_tokens_as_token_ids"}  # built on completions, not (as vLLM's) on chat
 

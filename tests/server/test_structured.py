@@ -112,7 +112,8 @@ def test_other_grammars_on_both_endpoints(server):
     ({"guided_json": SCHEMA, "guided_regex": "a+"}, "guided_regex"),
     ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " "}}, "structured_outputs"),
     ({"tool_choice": "required"}, "tool_choice"),  # without tools
-    ({"tools": TOOLS}, "tool_choice"),  # auto (the default with tools) needs --enable-auto-tool-choice
+    ({"tools": TOOLS}, "tools"),  # auto (the default with tools) needs --enable-auto-tool-choice
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [], "tool_choice": "none"}, "tools"),
 ])
