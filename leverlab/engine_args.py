@@ -25,9 +25,9 @@ def _json_object(s: str) -> dict:
 ENGINE_FIELDS = (
     "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size",
     "num_kv_blocks", "kv_cache_memory", "kv_cache_memory_fraction", "enable_prefix_caching", "quantization",
-    "kv_cache_dtype", "lm_head_quantization", "speculative_config", "structured_outputs_jump_forward", "tensor_parallel_size", "data_parallel_size",
-    "nnodes", "node_rank", "master_addr", "master_port", "execution_mode",
-    "num_threads", "seed",
+    "kv_cache_dtype", "lm_head_quantization", "speculative_config", "structured_outputs_jump_forward",
+    "tensor_parallel_size", "data_parallel_size", "nnodes", "node_rank", "master_addr", "master_port",
+    "execution_mode", "num_threads", "seed",
 )
 
 
@@ -50,8 +50,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default=None)
     g.add_argument("--lm-head-quantization", default=None, choices=("auto", "none", "int8", "int6", "same"),
                    help="the output head's precision: auto (int8 with --quantization int8; int6 with int4 on CPUs "
-                   "with AVX-512 VNNI or AVX2, else int8; the model dtype otherwise), none (the model dtype), int8, int6, "
-                   "or same (the --quantization method's own)")
+                   "with AVX-512 VNNI or AVX2, else int8; the model dtype otherwise), none (the model dtype), "
+                   "int8, int6, or same (the --quantization method's own)")
     g.add_argument("--speculative-config", type=_json_object, default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--structured-outputs-jump-forward", action=argparse.BooleanOptionalAction, default=None,

@@ -23,9 +23,11 @@ from pathlib import Path
 
 from leverlab import LLM, SamplingParams, StructuredOutputsParams
 from leverlab.bench import agent
+from leverlab.server.tools import plan_tools
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOL_SCHEMA = agent.tool_call_schema()  # the agent workload's tools under tool_choice "required"
+# the grammar the server imposes on the agent workload's tool-call requests (tool_call_body: required, one call)
+TOOL_SCHEMA = plan_tools(agent.TOOLS, "required", False, None, parallel_tool_calls=False).schema()
 REVIEW_SCHEMA = agent.REVIEW
 
 

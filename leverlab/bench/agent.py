@@ -46,15 +46,6 @@ def json_schema_body() -> dict[str, Any]:
     return {"response_format": {"type": "json_schema", "json_schema": {"name": "review", "schema": REVIEW}}}
 
 
-def tool_call_schema() -> dict[str, Any]:
-    """The grammar tool_choice required imposes on TOOLS (vLLM's shape), for engines driven without a server."""
-    calls = [{"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                             "parameters": t["function"]["parameters"]}, "required": ["name", "parameters"],
-              "additionalProperties": False}
-             for t in TOOLS]
-    return {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "object", "anyOf": calls}}
-
-
 def agent_requests(workload_file: Path, num_prompts: int | None, seed: int) -> list[BenchRequest]:
     chats = json.loads(Path(workload_file).read_text()).get("chat") or []
     if not chats:

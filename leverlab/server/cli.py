@@ -19,6 +19,8 @@ from typing import Any
 
 import uvicorn
 
+from leverlab.server.tool_parsers import PARSERS
+
 log = logging.getLogger("leverlab.server")
 
 FLUSH_TIMEOUT_S = 3
@@ -65,8 +67,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "default none: requests that carry an Origin header are refused")
     g.add_argument("--stream-stall-timeout", type=float, default=60.0,
                    help="seconds a stream may wait on a client that reads nothing before it is aborted")
-    from leverlab.server.tool_parsers import PARSERS
-
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="tool_choice 'auto': the model decides, --tool-call-parser finds its calls")
     g.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,

@@ -99,9 +99,9 @@ def checked(engine: Any, p: Prompt, max_tokens: int) -> EnginePrompt:
 def default_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
                        param: str = "max_tokens", default: int | None = None) -> int:
     """The max_tokens a prompt runs with, by vLLM's rules: None means whatever room the context leaves after
-    the prompt, or at most `default` (generation_config.json's max_new_tokens) when given; a number above the whole context is refused; any other is cut to that room (the answer ends
-    with finish_reason "length"), so a client that always sends a generous max_tokens works with long
-    prompts as it does against vLLM. A prompt that fills the context alone is refused."""
+    the prompt, or at most `default` (generation_config.json's max_new_tokens) when given; a number above the
+    whole context is refused; any other is cut to that room (the answer ends with finish_reason "length"), so
+    a client that always sends a generous max_tokens works with long prompts as it does against vLLM. A prompt that fills the context alone is refused."""
     room = max_model_len - prompt_len
     if room < 1:
         raise BadRequest(

@@ -124,9 +124,8 @@ class ToolStream:
                 out["tool_calls"] = [{"index": 0, "function": {"arguments": text[self.content_sent:]}}]
                 self.content_sent = len(text)
             return out
-        if p.mode == "named":  # final
-            out = self.delta(text, final=False)
-            return out
+        if p.mode == "named":  # final: whatever of the arguments is not sent yet
+            return self.delta(text, final=False)
         if not final and p.mode == "required":
             return out
         _, calls = p.calls_in(text if final or p.mode != "auto" else _closed(text, p.parser), final=True)

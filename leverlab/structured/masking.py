@@ -47,7 +47,7 @@ def mask_batch(logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, int] | N
     rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
     if not rows:
         return None
-    banned = _fit(torch.stack([seqs[i].grammar.banned() for i in rows]), logits.shape[1], True)
+    banned = _fit(torch.stack([seqs[i].grammar.banned() for i in rows]), logits.shape[1])
     if len(rows) == logits.shape[0]:
         logits.masked_fill_(banned, float("-inf"))
     else:
@@ -75,7 +75,7 @@ def mask_drafts(seq: Sequence, rows: torch.Tensor, drafts: list[int]) -> None:
         return
     taken = 0
     for j in range(len(drafts) + 1):
-        rows[j].masked_fill_(_fit(g.banned()[None], rows.shape[1], True)[0], float("-inf"))
+        rows[j].masked_fill_(_fit(g.banned()[None], rows.shape[1])[0], float("-inf"))
         if j == len(drafts) or g.try_accept([drafts[j]]) != 1:
             break
         taken += 1
@@ -104,8 +104,8 @@ def advance(emitted: list[tuple[Sequence, list[int], torch.Tensor]], jump_forwar
         tokens.extend(more)
 
 
-def _fit(mask: torch.Tensor, vocab: int, pad: bool) -> torch.Tensor:
-    """The mask [B, 32 W] cut or padded (with `pad`) to the logits' width."""
-    if mask.shape[1] >= vocab:
-        return mask[:, :vocab]
-    return torch.nn.functional.pad(mask, (0, vocab - mask.shape[1]), value=pad)
+def _fit(banned: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The banned-token mask [B, 32 W] cut to the logits' width, or padded with True (banned) up to it."""
+    if banned.shape[1] >= vocab:
+        return banned[:, :vocab]
+    return torch.nn.functional.pad(banned, (0, vocab - banned.shape[1]), value=True)
