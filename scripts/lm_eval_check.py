@@ -17,13 +17,12 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
+
+from server_proc import free_port, stop, wait_ready  # scripts/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 LM_EVAL = "lm-eval[api]==0.4.13"
@@ -113,27 +112,6 @@ def write_tasks(folder: Path) -> None:
         (folder / f"leverlab_{name}.yaml").write_text(task.format(data=data))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"leverlab serve exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    sys.exit(f"leverlab serve not healthy after {timeout:.0f} s")
-
-
 def run_lm_eval(venv: Path, tasks_dir: Path, out_dir: Path, model_type: str, model_args: str, tasks: str,
                 limit: int | None, extra: list[str]) -> int:
     cmd = [str(venv / "bin" / "lm_eval"), "--model", model_type, "--model_args", model_args, "--tasks", tasks,
@@ -167,7 +145,9 @@ def main() -> int:
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     failed = []
     try:
-        wait_healthy(url, proc)
+        if not wait_ready(proc, port, timeout=300):
+            sys.exit(f"leverlab serve exited with {proc.returncode}" if proc.poll() is not None
+                     else "leverlab serve not healthy after 300 s")
         common = "model=leverlab,num_concurrent=1,max_retries=1"
         runs = [
             ("local-completions", f"{common},base_url={url}/v1/completions,tokenizer_backend=huggingface,"
@@ -180,12 +160,7 @@ def main() -> int:
             if rc != 0:
                 failed.append(f"{model_type} ({tasks}): exit {rc}")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, grace_s=60)
         log.close()
     print(f"\nlm-eval outputs and the server log: {work}")
     if failed:
