@@ -16,28 +16,34 @@ class SequenceGrammar:
         self._banned: torch.Tensor | None = None  # the same as bool [32 * words], True where not allowed
 
     @property
-    def has_banned(self) -> bool:
-        return self._banned is not None
+    def has_mask(self) -> bool:
+        return self._mask is not None
 
-    def bitmask_into(self, row: torch.Tensor) -> None:
-        """Write the current state's mask (one bit per token, int32 words) into `row` [words]."""
-        if self._mask is not None:
-            row.copy_(self._mask)
-            return
-        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
-        self._mask = row.clone()  # (jump-forward computed it after the last token; the sampler reads it)
+    def bitmask(self) -> torch.Tensor:
+        """int32 [words]: the current state's allowed tokens, one bit each (token 32 w + b is bit b of word w);
+        computed once per state (on the prefetch thread while the model runs, or here)."""
+        if self._mask is None:
+            row = torch.zeros(self.words, dtype=torch.int32)
+            if self.matcher.is_error():
+                # A token the grammar refused got in (min_tokens banned the only end it allowed): end it.
+                for t in self.eos_token_ids:
+                    if t < self.words * 32:
+                        row[t >> 5] |= _bit(t & 31)
+            else:
+                self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+            self._mask = row
+        return self._mask
+
+    def allows(self, token: int) -> bool:
+        """Whether the current state allows `token` (one bit read: no bool row built)."""
+        if token >= self.words * 32:
+            return False
+        return bool((int(self.bitmask()[token >> 5]) >> (token & 31)) & 1)
 
     def banned(self) -> torch.Tensor:
         """bool [32 * words]: True for the tokens the grammar does not allow next (cached for this state)."""
-        if self._banned is None or self._mask is None:
-            if self.matcher.is_error():
-                # A token the grammar refused got in (min_tokens banned the only end it allowed): end it.
-                self._banned = torch.ones(self.words * 32, dtype=torch.bool)
-                self._banned[[t for t in self.eos_token_ids if t < self.words * 32]] = False
-                return self._banned
-            row = torch.empty(self.words, dtype=torch.int32)
-            self.bitmask_into(row)
-            self._banned = ~unpack(row[None])[0]
+        if self._banned is None:
+            self._banned = ~unpack(self.bitmask()[None])[0]
         return self._banned
 
     def accept(self, tokens: list[int]) -> bool:
@@ -80,6 +86,11 @@ class SequenceGrammar:
 
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def _bit(b: int) -> int:
+    """Bit b of an int32 word as a Python int in int32's range (bit 31 is the sign)."""
+    return -(1 << 31) if b == 31 else 1 << b
 
 
 def unpack(bitmask: torch.Tensor) -> torch.Tensor:

@@ -17,10 +17,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...],
     """logits [B, V] float32, one row per sequence that needs a token. Returns one token id per row.
     argmax: each row's argmax when the caller has it already (the fused step computes it with the logits)."""
     # Structured output: rows outside their grammar get -inf (in place); a token the grammar forces is taken
-    # without a draw, so jump-forward (which appends it without a pass) gives the same tokens.
-    forced = mask_batch(logits, seqs)
-    if forced is not None:
-        argmax = None
+    # without a draw, so jump-forward (which appends it without a pass) gives the same tokens. The argmax is
+    # handed over only when greedy tokens will come from it (nothing below changes the logits): then greedy rows
+    # whose argmax the grammar allows skip the mask.
+    plain = argmax is not None and not any(
+        s.params.needs_logits_processing or len(s.output_token_ids) < s.params.min_tokens for s in seqs)
+    masking = mask_batch(logits, seqs, argmax if plain else None)
+    forced = None
+    if masking is not None:
+        forced, argmax = masking
     masked = _apply_min_tokens(logits, seqs, eos_ids)
     masked = logits_processors.apply(masked, [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
                                      [s.output_token_ids for s in seqs])

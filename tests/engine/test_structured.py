@@ -91,3 +91,58 @@ def test_bad_grammar_is_a_request_error(path):
         StructuredOutputsParams(json=SCHEMA, regex="a")
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
     llm.close()
+
+
+@pytest.mark.parametrize("kernels", ["cpp", "torch"])
+def test_greedy_rows_skip_the_mask_only_where_the_masked_argmax_is_the_same(path, kernels, monkeypatch):
+    """The sampler's shortcut: a greedy row without logprobs gets its token under the grammar without its row
+    being masked; every other row (logprobs asked, sampled) is masked in place as before. With the C++ kernels
+    (bitmask_argmax, apply_bitmask_) and without them (PyTorch)."""
+    import torch
+
+    from leverlab.structured import masking
+
+    if kernels == "torch":
+        monkeypatch.setattr(masking, "_kernels", lambda logits: None)
+    from transformers import AutoTokenizer
+
+    from leverlab.core.sequence import Sequence
+    from leverlab.structured.compiler import GrammarCompiler
+    from leverlab.structured.masking import mask_batch
+
+    tok = AutoTokenizer.from_pretrained(path)
+    vocab = len(tok) + 7  # a model vocabulary padded past the tokenizer's
+    compiler = GrammarCompiler(tok, vocab, (tok.eos_token_id,))
+    so = StructuredOutputsParams(choice=["alpha", "beta", "gamma"])
+    kinds = [dict(temperature=0), dict(temperature=0), dict(temperature=0, logprobs=2), dict(temperature=1.0),
+             dict(temperature=1.0)]
+    seqs = []
+    for i, kw in enumerate(kinds):
+        if i == 4:  # one answer: its first token forced
+            so = StructuredOutputsParams(choice=["alpha"])
+        s = Sequence(seq_id=i, request_id=f"r{i}", index=0, prompt_token_ids=[1, 2], params=SamplingParams(**kw),
+                     generator=None)
+        s.grammar = compiler.new_state(so)
+        seqs.append(s)
+    allowed = (~seqs[0].grammar.banned()[:vocab]).nonzero()[:, 0].tolist()
+    banned_tok = next(t for t in range(vocab) if t not in allowed)
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        logits = torch.randn(len(seqs), vocab, generator=gen)
+        # row 0's argmax allowed, row 1's banned (the shortcut must then mask it); other rows random
+        logits[0, allowed[trial % len(allowed)]] = 50.0
+        logits[1, banned_tok] = 50.0
+        argmax = logits.argmax(dim=-1).tolist()
+        ref = logits.clone()
+        banned = torch.stack([s.grammar.banned()[:vocab] for s in seqs])
+        ref_forced, ref_argmax = mask_batch(ref, seqs, None)
+        assert torch.equal(ref, logits.masked_fill(banned, float("-inf")))
+        assert ref_argmax is None
+        got = logits.clone()
+        forced, got_argmax = mask_batch(got, seqs, argmax)
+        assert forced == ref_forced and list(forced) == [4]
+        assert forced[4] == tok.encode("alpha", add_special_tokens=False)[0]
+        assert got_argmax[:3] == ref.argmax(dim=-1).tolist()[:3]
+        assert got_argmax[0] in allowed and got_argmax[1] in allowed
+        assert torch.equal(got[2:], ref[2:])  # logprobs and sampled rows are masked as before
+        assert torch.equal(got[0], logits[0])  # the shortcut row was left as it came

@@ -32,6 +32,8 @@ bool amx_attention_takes(int64_t D);
 void amx_fresh_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor out, double scale);
 bool set_amx_bf16(bool on);
 torch::Tensor amx_bf16_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+at::Tensor bitmask_argmax(const at::Tensor& logits, const at::Tensor& rows, const at::Tensor& bitmask);
+at::Tensor apply_bitmask_(at::Tensor logits, const at::Tensor& rows, const at::Tensor& bitmask);
 
 namespace {
 int stream_family(const std::string& name) {  // -1: not a family
@@ -124,5 +126,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return argmax_first(x.data_ptr<float>(), x.numel());
         },
         "the index of the first maximum (NaNs never taken): the fused step's greedy choice over the logits");
+  m.def("bitmask_argmax", &bitmask_argmax, pybind11::arg("logits"), pybind11::arg("rows"), pybind11::arg("bitmask"),
+        "per listed row of float32 logits, the first maximum among the tokens its int32 bitmask allows (-1: "
+        "none above -inf); the logits are not changed");
+  m.def("apply_bitmask_", &apply_bitmask_, pybind11::arg("logits"), pybind11::arg("rows"), pybind11::arg("bitmask"),
+        "in place: each listed row's float32 logits -inf outside its int32 bitmask; returns the allowed counts");
   bind_fused_decoder(m);
 }
