@@ -20,6 +20,39 @@ from leverlab.structured.state import unpack
 ROWS = 16
 
 
+def measure(kern, vocab: int, gen: torch.Generator) -> dict[str, float]:
+    """Best microseconds per call of each of the four, at this vocabulary."""
+    bits = torch.randint(-2**31, 2**31 - 1, (ROWS, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+    logits = torch.randn(ROWS, vocab, generator=gen)
+    rows = torch.arange(ROWS)
+
+    def torch_argmax():
+        return logits.masked_fill(~unpack(bits)[:, :vocab], float("-inf")).argmax(dim=-1)
+
+    def kernel_argmax():
+        return kern.bitmask_argmax(logits, rows, bits)
+
+    def torch_mask():
+        x = logits.clone()
+        return x.masked_fill_(~unpack(bits)[:, :vocab], float("-inf"))
+
+    def kernel_mask():
+        x = logits.clone()
+        kern.apply_bitmask_(x, rows, bits)
+        return x
+
+    assert torch.equal(torch_argmax(), kernel_argmax()) and torch.equal(torch_mask(), kernel_mask())
+    best: dict[str, float] = {}
+    for _ in range(5):
+        for f in (torch_argmax, kernel_argmax, torch_mask, kernel_mask):
+            t = time.perf_counter()
+            for _ in range(20):
+                f()
+            us = (time.perf_counter() - t) / 20 * 1e6
+            best[f.__name__] = min(best.get(f.__name__, us), us)
+    return best
+
+
 def main() -> None:
     kern = cpu_kernels.kernels()
     if kern is None:
@@ -29,35 +62,7 @@ def main() -> None:
     print(f"{'vocab':>7} {'argmax torch us':>16} {'kernel us':>10} {'ratio':>6} {'mask torch us':>14} "
           f"{'kernel us':>10} {'ratio':>6}")
     for vocab in (8192, 151936):
-        words = (vocab + 31) // 32
-        bits = torch.randint(-2**31, 2**31 - 1, (ROWS, words), dtype=torch.int32, generator=gen)
-        logits = torch.randn(ROWS, vocab, generator=gen)
-        rows = torch.arange(ROWS)
-
-        def torch_argmax():
-            return logits.masked_fill(~unpack(bits)[:, :vocab], float("-inf")).argmax(dim=-1)
-
-        def kernel_argmax():
-            return kern.bitmask_argmax(logits, rows, bits)
-
-        def torch_mask():
-            x = logits.clone()
-            return x.masked_fill_(~unpack(bits)[:, :vocab], float("-inf"))
-
-        def kernel_mask():
-            x = logits.clone()
-            kern.apply_bitmask_(x, rows, bits)
-            return x
-
-        assert torch.equal(torch_argmax(), kernel_argmax()) and torch.equal(torch_mask(), kernel_mask())
-        best: dict[str, float] = {}
-        for _ in range(5):
-            for f in (torch_argmax, kernel_argmax, torch_mask, kernel_mask):
-                t = time.perf_counter()
-                for _ in range(20):
-                    f()
-                us = (time.perf_counter() - t) / 20 * 1e6
-                best[f.__name__] = min(best.get(f.__name__, us), us)
+        best = measure(kern, vocab, gen)
         a, ka, m, km = (best[n] for n in ("torch_argmax", "kernel_argmax", "torch_mask", "kernel_mask"))
         print(f"{vocab:>7} {a:>16.0f} {ka:>10.0f} {a / ka:>5.1f}x {m:>14.0f} {km:>10.0f} {m / km:>5.1f}x")
 

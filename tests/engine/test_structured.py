@@ -100,10 +100,13 @@ def test_greedy_rows_skip_the_mask_only_where_the_masked_argmax_is_the_same(path
     (bitmask_argmax, apply_bitmask_) and without them (PyTorch)."""
     import torch
 
+    from leverlab.kernels import cpu_kernels
     from leverlab.structured import masking
 
     if kernels == "torch":
         monkeypatch.setattr(masking, "_kernels", lambda logits: None)
+    elif cpu_kernels.kernels() is None:  # (CI requires them: conftest fails the run when they do not build)
+        pytest.skip("C++ kernels not built here")
     from transformers import AutoTokenizer
 
     from leverlab.core.sequence import Sequence
