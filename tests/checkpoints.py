@@ -61,7 +61,12 @@ def make_tokenizer(path: Path, vocab_size: int = 384, think_tags: bool = False) 
     fast.save_pretrained(str(path))
 
 
-def _config(arch: str, vocab_size: int, **overrides):
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def _config(arch: str, vocab_size: int, rope_scaling: dict | None = None, **overrides):
+    """rope_scaling: the checkpoint's rope scaling dict (None: each arch's own, Llama 3's for llama)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
@@ -78,6 +83,8 @@ def _config(arch: str, vocab_size: int, **overrides):
         pad_token_id=0,
     )
     common.update(overrides)
+    if rope_scaling is not None:
+        common["rope_scaling"] = dict(rope_scaling)
     if arch == "qwen3":
         cfg = Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, rope_theta=1_000_000.0)
     elif arch == "qwen2":
@@ -87,13 +94,7 @@ def _config(arch: str, vocab_size: int, **overrides):
             **common,
             tie_word_embeddings=False,
             rope_theta=500_000.0,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
+            **({} if rope_scaling is not None else {"rope_scaling": dict(LLAMA3_ROPE)}),
         )
     elif arch == "mistral":  # sliding window on every layer
         cfg = MistralConfig(**common, tie_word_embeddings=False, rope_theta=10_000.0, sliding_window=8)
@@ -111,9 +112,10 @@ ARCHS = ("qwen3", "qwen2", "llama", "llama-tied")
 
 
 def make_checkpoint(path: Path, arch: str = "qwen3", seed: int = 0, shards: bool = True, think_tags: bool = False,
-                    **overrides) -> Path:
+                    rope_scaling: dict | None = None, **overrides) -> Path:
     """Write a tiny random checkpoint of `arch` to `path` and return it. Weights are float32.
-    think_tags: the tokenizer and template of make_tokenizer(think_tags=True)."""
+    think_tags: the tokenizer and template of make_tokenizer(think_tags=True).
+    rope_scaling: a rope scaling dict (linear, dynamic, yarn, longrope ...) in place of the arch's own."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -122,7 +124,7 @@ def make_checkpoint(path: Path, arch: str = "qwen3", seed: int = 0, shards: bool
     make_tokenizer(path, think_tags=think_tags)
     tj = json.loads((path / "tokenizer.json").read_text())
     size = 1 + max([*tj["model"]["vocab"].values(), *(t["id"] for t in tj["added_tokens"])])
-    cfg = _config(arch, vocab_size=size, **overrides)
+    cfg = _config(arch, vocab_size=size, rope_scaling=rope_scaling, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     # Random init draws small weights; widen them so logits are far from uniform and greedy is decisive.

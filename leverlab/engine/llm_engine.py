@@ -63,10 +63,12 @@ class LLMEngine:
         threads = config.num_threads or max(1, env.default_threads(self.model_config, config.dtype) // local_ranks)
         torch.set_num_threads(threads)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        max_len = config.max_model_len or self.model_config.max_position_embeddings
-        if max_len > self.model_config.max_position_embeddings:
-            raise ValueError(f"--max-model-len {max_len} exceeds the model's "
-                             f"max_position_embeddings ({self.model_config.max_position_embeddings})")
+        max_len = config.max_model_len or self.model_config.default_max_len
+        if max_len > self.model_config.max_context:
+            mc = self.model_config
+            how = f", {mc.rope_scaling['rope_type']} rope scaling" if mc.rope_scaling else ""
+            raise ValueError(f"--max-model-len {max_len} exceeds the model's context of {mc.max_context} tokens "
+                             f"(max_position_embeddings {mc.max_position_embeddings}{how})")
         # One process, or tensor parallel (worker/executor.py: the workers, watched from here).
         self.executor = make_executor(config, path, max_len, threads, rdv, aux_layers_for(config))
         self.runner = self.executor.runner

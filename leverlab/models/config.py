@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from leverlab.layers import rotary
+
 # HF architecture name -> the switches that tell its decoder apart.
 ARCHITECTURES: dict[str, dict] = {
     "Qwen3ForCausalLM": {"qk_norm": True, "qkv_bias": False},
@@ -55,18 +57,13 @@ class ModelConfig:
                 f"unsupported architecture {archs!r} in {cfg_file}; supported: {sorted(ARCHITECTURES)}"
             )
         switches = ARCHITECTURES[arch]
-        # transformers 5 writes rope_parameters; older checkpoints write rope_theta + rope_scaling.
-        rope = dict(raw.get("rope_parameters") or {})
-        theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-        scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling is not None:
-            scaling = dict(scaling)
-            kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind not in ("default", "llama3"):
-                raise ValueError(f"rope scaling {kind!r} is not supported (supported: default, llama3)")
-            if kind == "default":
-                scaling = None
         heads = raw["num_attention_heads"]
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+        max_positions = raw.get("max_position_embeddings", 4096)
+        try:
+            theta, scaling = read_rope(raw, head_dim, max_positions)
+        except ValueError as e:
+            raise ValueError(f"{cfg_file}: {e}") from None
         qkv_bias = switches["qkv_bias"]
         if qkv_bias is None:
             qkv_bias = bool(raw.get("attention_bias", False))
@@ -92,11 +89,11 @@ class ModelConfig:
             num_layers=n_layers,
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qk_norm=switches["qk_norm"],
             qkv_bias=qkv_bias,
@@ -105,6 +102,17 @@ class ModelConfig:
             eos_token_ids=eos,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         )
+
+    @property
+    def max_context(self) -> int:
+        """The longest --max-model-len this model takes: max_position_embeddings, stretched by its rope scaling
+        (layers/rotary.py: max_context)."""
+        return rotary.max_context(self.rope_scaling, self.max_position_embeddings)
+
+    @property
+    def default_max_len(self) -> int:
+        """max_model_len when none is given (layers/rotary.py: default_max_len)."""
+        return rotary.default_max_len(self.rope_scaling, self.max_position_embeddings)
 
     def weight_bytes(self, bytes_per_param: float) -> int:
         """Bytes read per decode step at batch 1: every weight once (the tied head counts once)."""
@@ -116,6 +124,15 @@ class ModelConfig:
         layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
         emb = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + emb + h
+
+
+def read_rope(raw: dict, head_dim: int, max_positions: int) -> tuple[float, dict | None]:
+    """(rope_theta, scaling as layers/rotary.check_scaling returns it) from a config dict: transformers 5 writes
+    rope_parameters, older checkpoints rope_theta + rope_scaling. ValueError for a scheme we do not implement."""
+    rope = dict(raw.get("rope_parameters") or {})
+    theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    scaling = raw.get("rope_scaling") or rope
+    return theta, rotary.check_scaling(scaling, head_dim, max_positions, raw.get("original_max_position_embeddings"))
 
 
 def _eos_ids(path: Path, raw: dict) -> tuple[int, ...]:

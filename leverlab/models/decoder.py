@@ -76,9 +76,10 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, max_len: int | None = None):
         super().__init__()
-        rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        # One table for every layer, fixed for the engine's max_model_len (layers/rotary.py says why).
+        rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, max_len)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, i) for i in range(cfg.num_layers))
@@ -95,10 +96,12 @@ class CausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, max_len: int | None = None):
+        """max_len: the engine's max_model_len, which dynamic and longrope rope scaling are fixed for (None: the
+        model's default, ModelConfig.default_max_len)."""
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
+        self.model = Backbone(cfg, max_len)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)  # at TP > 1 rank 0 gets all V logits
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

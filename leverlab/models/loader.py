@@ -47,11 +47,14 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.device = "cpu",
-               quantization: str | None = None, tp: TPState | None = None, lm_head: str = "auto") -> CausalLM:
+               quantization: str | None = None, tp: TPState | None = None, lm_head: str = "auto",
+               max_model_len: int | None = None) -> CausalLM:
     """`quantization`: a --quantization name (quantize at load time); a checkpoint that carries its own
     quantization_config (AWQ, GPTQ, `leverlab quantize` output) is read in its format whatever it is None.
     `lm_head`: --lm-head-quantization (registry.head_quant_method).
-    `tp`: this rank's tensor-parallel state; the model holds its slice of every weight (None: all of them)."""
+    `tp`: this rank's tensor-parallel state; the model holds its slice of every weight (None: all of them).
+    `max_model_len`: the engine's, which the rotary tables cover and rope scaling is fixed for (None: the
+    model's default)."""
     path = Path(path)
     cfg = ModelConfig.from_folder(path)
     tp_size = tp.size if tp is not None else 1
@@ -59,7 +62,7 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.de
     method = resolve_quant_method(path, quantization)
     head = head_quant_method(method, lm_head, device=device, hidden=cfg.hidden_size, dtype=dtype)
     with default_dtype(DTYPES[dtype]), torch.device(device), use_tp(tp):
-        model = CausalLM(cfg)
+        model = CausalLM(cfg, max_model_len)
     try:
         quantized = attach_quant_method(model, method, head)
     except ValueError as e:

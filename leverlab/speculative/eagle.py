@@ -79,7 +79,8 @@ class EagleProposer:
     @classmethod
     def from_config(cls, spec, engine_config, max_model_len: int) -> EagleProposer:
         layers = ModelConfig.from_folder(engine_config.model or default_model_path()).num_layers
-        head = load_head(spec.model, DTYPES[engine_config.dtype], env.pick_device(engine_config.device), layers)
+        head = load_head(spec.model, DTYPES[engine_config.dtype], env.pick_device(engine_config.device), layers,
+                         max_model_len)
         return cls(head, spec.model, engine_config, spec.quantization)
 
     def check_vocab(self, target_vocab: int) -> None:

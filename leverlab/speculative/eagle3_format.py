@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 
 from leverlab.config import default_model_path
 from leverlab.errors import UnsupportedLever
-from leverlab.models.config import ModelConfig
+from leverlab.models.config import ModelConfig, read_rope
 from leverlab.models.loader import load_embedding_and_lm_head
 from leverlab.speculative.eagle_head import ARCHITECTURE, EagleConfig, EagleHead, build_head
 from leverlab.speculative_config import EAGLE_METHODS, SpeculativeConfig
@@ -103,9 +103,11 @@ def read_foreign_config(path: str | Path, target_num_layers: int | None) -> Eagl
     if top.get("use_aux_hidden_state") is False:
         raise UnsupportedLever(f"{path}: heads without aux hidden states (EAGLE-1/2 style) are not supported")
     h, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])
-    rope = dict(layer.get("rope_parameters") or {})
-    theta = float(rope.pop("rope_theta", layer.get("rope_theta", 10000.0)))
-    scaling = layer.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    try:
+        theta, scaling = read_rope(layer, int(layer.get("head_dim") or h // heads),
+                                   int(layer.get("max_position_embeddings", 4096)))
+    except ValueError as e:
+        raise UnsupportedLever(f"{path}: {e}") from None
     vocab = int(layer["vocab_size"])
     ids = top.get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
@@ -320,14 +322,15 @@ def speculators_export_of(head_dir: str | Path, target_path: str | Path) -> Path
 
 
 def load_head(path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu",
-              target_num_layers: int | None = None) -> EagleHead:
+              target_num_layers: int | None = None, max_len: int | None = None) -> EagleHead:
     """Any supported head folder: ours, `speculators` (eagle3) or the original EAGLE-3 release.
-    target_num_layers: for heads that do not name their aux layers (EAGLE-3's default depends on it)."""
+    target_num_layers: for heads that do not name their aux layers (EAGLE-3's default depends on it).
+    max_len: the engine's max_model_len, which the head's rotary tables must cover (None: the head's own)."""
     if detect_format(path) != "leverlab":
         cfg, state = read_foreign(path, target_num_layers)
     else:
         cfg, state = EagleConfig.from_folder(path), load_file(str(Path(path) / "model.safetensors"))
-    return build_head(cfg, state, dtype, path).to(device=device).eval()
+    return build_head(cfg, state, dtype, path, max_len).to(device=device).eval()
 
 
 def head_config(path: str | Path, target_num_layers: int | None = None) -> EagleConfig:

@@ -35,7 +35,7 @@ from leverlab.errors import UnsupportedLever
 from leverlab.layers.attention import paged_attention
 from leverlab.layers.linear import Linear, packed
 from leverlab.layers.norm import RMSNorm
-from leverlab.layers.rotary import Rotary
+from leverlab.layers.rotary import Rotary, check_scaling
 from leverlab.models.config import ModelConfig
 from leverlab.models.loader import default_dtype
 
@@ -152,7 +152,8 @@ class MLP(nn.Module):
 
 
 class EagleHead(nn.Module):
-    def __init__(self, cfg: EagleConfig):
+    def __init__(self, cfg: EagleConfig, max_len: int | None = None):
+        """max_len: the engine's max_model_len, which the head's rotary tables cover (None: its own default)."""
         super().__init__()
         self.config = cfg
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -176,7 +177,13 @@ class EagleHead(nn.Module):
         if cfg.draft_vocab_size:
             # [Vd] the target id of each draft id (the checkpoint's d2t holds offsets: target = draft + d2t)
             self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size, dtype=torch.int64))
-        self.rotary = Rotary(self.hd, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        # The head's own rope (a head trained here copies the target's), scaled the way its config says, over the
+        # positions of the target's sequences.
+        try:
+            scaling = check_scaling(cfg.rope_scaling, self.hd, cfg.max_position_embeddings)
+        except ValueError as e:
+            raise UnsupportedLever(f"EAGLE head: {e}") from None
+        self.rotary = Rotary(self.hd, cfg.rope_theta, scaling, cfg.max_position_embeddings, max_len)
         self.scale = self.hd**-0.5
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:  # [T, A*F] target aux outputs -> [T, H] feature
@@ -240,10 +247,11 @@ def save_head(head: EagleHead, path: str | Path, dtype: str = "bfloat16") -> Non
     (path / "config.json").write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
 
 
-def build_head(cfg: EagleConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, path) -> EagleHead:
+def build_head(cfg: EagleConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, path,
+               max_len: int | None = None) -> EagleHead:
     """The head from its config and a state dict in our names (speculative/eagle3_format.py converts theirs)."""
     with default_dtype(dtype):  # parameters in the engine's dtype; rotary tables stay float32
-        head = EagleHead(cfg)
+        head = EagleHead(cfg, max_len)
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise UnsupportedLever(f"EAGLE head {path}: missing weights {missing[:3]}, unexpected {unexpected[:3]}")

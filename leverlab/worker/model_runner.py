@@ -58,7 +58,7 @@ class ModelRunner:
         self.dtype = DTYPES[config.dtype]
         self.tp = tp or TPState()
         self.model = load_model(model_path, config.dtype, self.device, config.quantization, tp,
-                                config.lm_head_quantization)
+                                config.lm_head_quantization, max_model_len)
         self.model_config = self.model.config
         self.aux_layers = tuple(aux_layers)  # EAGLE's feature layers; () without it
         self.model.aux_layers = self.aux_layers

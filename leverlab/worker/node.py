@@ -32,7 +32,7 @@ def run_node(config: EngineConfig, rdv: Rendezvous, aux_layers: tuple[int, ...] 
     path = str(config.model or default_model_path())
     model_config = ModelConfig.from_folder(path)
     # The same numbers rank 0 uses: the KV-cache size itself is broadcast by rank 0 at start.
-    max_len = config.max_model_len or model_config.max_position_embeddings
+    max_len = config.max_model_len or model_config.default_max_len
     threads = config.num_threads or max(1, env.default_threads(model_config, config.dtype) // rdv.per_node)
     device = env.pick_device(config.device)
     if device.type == "cuda" and torch.cuda.device_count() < rdv.per_node:
