@@ -220,3 +220,17 @@ def test_unsupported_rope_scaling_is_refused_naming_it(tmp_path):
     cfg = ModelConfig.from_folder(path)
     assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 512}
     assert cfg.max_context == 1024
+
+
+@pytest.mark.parametrize("name,max_len", [("yarn-qwen3", None), ("dynamic-qwen3", 180)])
+def test_tensor_parallel_ranks_build_the_same_tables(ckpt, name, max_len):
+    """At TP=2 the other rank builds its own model (worker/tp_worker.py): its tables must be the same scaled ones,
+    for the same max_model_len (dynamic's base depends on it)."""
+    path = ckpt(name)
+    ids = prompt(179)
+    expected = hf_logits(hf_model(path), ids + [5])[:-1]  # transformers over 180 positions
+    llm = LLM(path, dtype="float32", execution_mode="eager", tensor_parallel_size=2, max_model_len=max_len)
+    try:
+        close(engine_prompt_logprobs(llm, ids), their_logprobs(expected, ids))
+    finally:
+        llm.engine.close()
