@@ -22,7 +22,7 @@ class EngineConfig:
     model: str = ""
     dtype: str = "bfloat16"
     device: str = "auto"  # "auto" picks cuda when present, else cpu
-    max_model_len: int | None = None  # None: the model's own max_position_embeddings
+    max_model_len: int | None = None  # None: the model's context (max_position_embeddings, stretched by rope scaling)
     max_num_seqs: int = 64  # sequences in one step
     # Token budget per step (prefill chunks + decodes): vLLM's CPU server default. At 512, a 1,500-token prompt
     # took three chunks, and the later two (a cached prefix) missed the fresh-prefill attention path: its TTFT was
