@@ -234,3 +234,15 @@ def test_tensor_parallel_ranks_build_the_same_tables(ckpt, name, max_len):
         close(engine_prompt_logprobs(llm, ids), their_logprobs(expected, ids))
     finally:
         llm.engine.close()
+
+
+def test_yarn_bfloat16_close_to_transformers(ckpt):
+    """bf16 casts the scaled float32 tables per call, as transformers does (the fused step's bf16 rope too)."""
+    from transformers import AutoModelForCausalLM
+
+    path = ckpt("yarn-qwen3")
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    ids = prompt(200, seed=5)
+    ours = engine_prompt_logprobs(LLM(path, dtype="bfloat16"), ids)
+    theirs = their_logprobs(hf_logits(ref, ids), ids)
+    assert (ours - theirs).abs().max() < 0.1
