@@ -5,7 +5,8 @@ the math of transformers' modeling_rope_utils (written here from its description
 A paged engine keeps each token's rotated key in the KV cache (and shares it across requests through the prefix
 cache), so one table must serve every sequence from position 0 to the engine's max_model_len. transformers
 recomputes two of the schemes by the sequence's current length instead; here they are fixed once for `max_len`
-(the engine's --max-model-len), as vLLM fixes them:
+(the engine's --max-model-len). vLLM fixes both too, longrope by the same rule (docs/engine.md says how its
+dynamic differs):
 - dynamic: the NTK base transformers uses for a sequence of `max_len` tokens, at every position. Equal to
   transformers for a whole forward of that length, and to plain RoPE (transformers' choice for any sequence
   within max_position_embeddings) when max_len <= max_position_embeddings.
