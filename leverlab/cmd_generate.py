@@ -12,7 +12,7 @@ from leverlab.errors import LeverLabError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompts", nargs="*", help="prompts (default: read one from stdin)")
-    p.add_argument("--model", default="", help="Hugging Face model folder (default: the bundled model)")
+    p.add_argument("--model", default="", help="Hugging Face model folder or Hub id (default: the bundled model)")
     add_engine_arguments(p)
     s = p.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=64)
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     prompts = args.prompts or [sys.stdin.read()]
     try:
-        cfg = config_from_args(args, args.model)
+        cfg = config_from_args(args, args.model).resolve_models()
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 seed=args.sampling_seed, max_tokens=args.max_tokens, stop=args.stop,
                                 ignore_eos=args.ignore_eos)

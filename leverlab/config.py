@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from leverlab import env
+from leverlab.hub import resolve_model
 from leverlab.quant_config import check_kv_cache_dtype, check_lm_head_quantization, check_quantization
 from leverlab.speculative_config import SpeculativeConfig
 
@@ -19,7 +20,11 @@ def default_model_path() -> Path:
 
 @dataclass
 class EngineConfig:
-    model: str = ""
+    model: str = ""  # a folder, or a Hugging Face Hub id (resolve_models turns it into the cached snapshot)
+    revision: str | None = None  # the Hub id's branch, tag or commit (None: main)
+    tokenizer: str | None = None  # a folder or Hub id; None: the model's own
+    tokenizer_revision: str | None = None
+    model_id: str | None = None  # the Hub id `model` was resolved from (the default served name); set by resolve_models
     dtype: str = "bfloat16"
     device: str = "auto"  # "auto" picks cuda when present, else cpu
     max_model_len: int | None = None  # None: the model's context (max_position_embeddings, stretched by rope scaling)
@@ -60,8 +65,8 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype == "auto":
-            self.dtype = "bfloat16"
+        # vLLM's dtype names: "auto" (ours: bfloat16, the fast CPU path), "half", "float"
+        self.dtype = {"auto": "bfloat16", "half": "float16", "float": "float32"}.get(self.dtype, self.dtype)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.execution_mode not in ("compiled", "eager"):
@@ -83,3 +88,18 @@ class EngineConfig:
         self.quantization = check_quantization(self.quantization)
         self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
         self.lm_head_quantization = check_lm_head_quantization(self.lm_head_quantization)
+
+    def resolve_models(self) -> EngineConfig:
+        """Turn a Hub id in `model`, `tokenizer` or the speculative config's "model" into its local snapshot
+        folder (hub.py: the cache, downloaded unless offline), in place; a path is kept. The engine and the
+        server call this before anything reads the model, so every later part sees a folder. Idempotent."""
+        if self.model and not Path(self.model).expanduser().exists():
+            self.model_id = self.model
+        self.model = resolve_model(self.model, self.revision)
+        if self.tokenizer:
+            self.tokenizer = resolve_model(self.tokenizer, self.tokenizer_revision, what="tokenizer")
+        spec = self.speculative_config
+        if spec and isinstance(spec.get("model"), str) and spec["model"]:
+            self.speculative_config = {**spec, "model": resolve_model(spec["model"], spec.get("revision"),
+                                                                      what="speculative model")}
+        return self

@@ -23,7 +23,7 @@ def _json_object(s: str) -> dict:
 
 # flag -> EngineConfig field
 ENGINE_FIELDS = (
-    "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size",
+    "revision", "tokenizer", "tokenizer_revision", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size",
     "num_kv_blocks", "kv_cache_memory", "kv_cache_memory_fraction", "enable_prefix_caching", "quantization",
     "kv_cache_dtype", "lm_head_quantization", "speculative_config", "structured_outputs_jump_forward",
     "tensor_parallel_size", "data_parallel_size", "nnodes", "node_rank", "master_addr", "master_port",
@@ -33,7 +33,12 @@ ENGINE_FIELDS = (
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine levers (named as in vLLM; unset = the engine's default)")
-    g.add_argument("--dtype", default=None, choices=("auto", *DTYPES))
+    g.add_argument("--revision", default=None,
+                   help="with a Hugging Face Hub id as the model: its branch, tag or commit (default: main)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id (default: the model's own)")
+    g.add_argument("--tokenizer-revision", default=None, help="with a Hub id as --tokenizer: its branch, tag or commit")
+    g.add_argument("--dtype", default=None, choices=("auto", "half", "float", *DTYPES),
+                   help="auto (bfloat16), half (float16), float (float32), or the name")
     g.add_argument("--device", default=None, help="auto (cuda when present), cpu or cuda")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one step")

@@ -28,3 +28,7 @@ class UnsupportedLever(LeverLabError, ValueError):
 
 class TensorParallelError(EngineDeadError):
     """A tensor-parallel rank died, hung or fell out of step: the engine cannot continue (HTTP 503)."""
+
+
+class ModelNotFound(LeverLabError, FileNotFoundError):
+    """A model (or tokenizer) is neither a local path nor a Hub id found in the cache or downloadable."""

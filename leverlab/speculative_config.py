@@ -16,7 +16,8 @@ DRAFT_QUANTIZATION = ("auto", "none", "int8")
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int = 3
-    model: str | None = None  # draft model folder (draft_model) or head folder (eagle)
+    model: str | None = None  # draft model folder (draft_model) or head folder (eagle), or a Hub id of one
+    revision: str | None = None  # the Hub id's branch, tag or commit (vLLM's key)
     prompt_lookup_min: int = 2  # ngram: shortest suffix to look up
     prompt_lookup_max: int = 4  # ngram: longest suffix to look up
     disable_by_batch_size: int | None = None  # no speculation while more sequences than this are running

@@ -240,3 +240,34 @@ def make_speculators_eagle3(target: str | Path, out: str | Path, draft_vocab: in
         save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return str(out)
+
+
+def add_to_hub_cache(cache: Path, repo_id: str, folder: Path, ref: str | None = "main", commit: str | None = None) -> Path:
+    """Put `folder`'s files into a Hugging Face Hub cache at `cache` in the Hub's own layout, as
+    `huggingface_hub` leaves a download: models--ORG--NAME/blobs/<hash> (the content),
+    snapshots/<commit>/<file> (relative symlinks to the blobs) and refs/<ref> (the commit). Returns the
+    snapshot folder. `commit`: the snapshot's 40-hex name (default: a hash of the files)."""
+    import hashlib
+    import os
+
+    repo = Path(cache) / ("models--" + repo_id.replace("/", "--"))
+    files = sorted(p for p in Path(folder).rglob("*") if p.is_file())
+    if commit is None:
+        h = hashlib.sha1()
+        for f in files:
+            h.update(f.name.encode() + f.read_bytes())
+        commit = h.hexdigest()
+    snap = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    for f in files:
+        data = f.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        if not blob.exists():
+            blob.write_bytes(data)
+        link = snap / f.relative_to(folder)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    if ref is not None:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snap

@@ -109,7 +109,8 @@ class AsyncLLM:
         self.vocab_size = self.engine.model_config.vocab_size
         method = self.engine.runner.model.quant_method  # as loaded: a pre-quantized checkpoint names its own
         self.quantization: str | None = method.name if method is not None else None
-        self.model_name = served_model_name or self.engine.model_path.rstrip("/").split("/")[-1]
+        # vLLM's default: the model as given (a Hub id), else the folder's name
+        self.model_name = served_model_name or config.model_id or self.engine.model_path.rstrip("/").split("/")[-1]
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, _Mailbox] = {}
         self._inflight_seqs = 0  # sum of n over open streams: the admission count

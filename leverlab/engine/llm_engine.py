@@ -42,7 +42,7 @@ def serve_node(config: EngineConfig, rdv) -> int:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        self.config = config
+        self.config = config.resolve_models()  # a Hub id becomes its cached folder (hub.py), once, here
         path = str(config.model or default_model_path())
         self.model_path = path
         self.model_config = ModelConfig.from_folder(path)
@@ -62,7 +62,7 @@ class LLMEngine:
         local_ranks = rdv.per_node if rdv is not None else 1
         threads = config.num_threads or max(1, env.default_threads(self.model_config, config.dtype) // local_ranks)
         torch.set_num_threads(threads)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
         max_len = config.max_model_len or self.model_config.default_max_len
         if max_len > self.model_config.max_context:
             mc = self.model_config

@@ -92,12 +92,12 @@ class ReplicaSet:
         if (config.nnodes or 1) > 1:
             raise UnsupportedLever("--data-parallel-size with --nnodes > 1 is not built: replicas run on the "
                                    "serving host (tensor parallelism spans hosts)")
-        self.config = config
+        self.config = config.resolve_models()  # a Hub id becomes its cached folder (hub.py)
         path = str(config.model or default_model_path())
         self.model_config = ModelConfig.from_folder(path)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
         self.vocab_size = self.model_config.vocab_size
-        self.model_name = served_model_name or path.rstrip("/").split("/")[-1]
+        self.model_name = served_model_name or config.model_id or path.rstrip("/").split("/")[-1]
         self.per_replica_seqs = config.max_num_seqs + config.max_waiting
         self.router = Router(RouterConfig(block_size=config.block_size, affinity=config.enable_prefix_caching),
                              config.data_parallel_size)

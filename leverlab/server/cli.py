@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "model",
         nargs="?",
         default=None,
-        help="Hugging Face model folder (default: the bundled default model)",
+        help="Hugging Face model folder, or a Hub id found in (or fetched into) the Hugging Face cache, e.g. "
+        "Qwen/Qwen3-0.6B (default: the bundled default model)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -85,10 +86,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace):
+    """The EngineConfig of these flags, with a Hub id resolved to its cached folder (ModelNotFound if not)."""
     from leverlab.config import default_model_path
     from leverlab.engine_args import config_from_args
 
-    return config_from_args(args, str(args.model or default_model_path()))
+    return config_from_args(args, str(args.model or default_model_path())).resolve_models()
 
 
 def lever_summary(engine: Any) -> str:
@@ -117,13 +119,16 @@ def lever_summary(engine: Any) -> str:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from leverlab.errors import EngineDeadError, UnsupportedLever
+    from leverlab.errors import EngineDeadError, ModelNotFound, UnsupportedLever
 
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         print("leverlab serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
         return 2
     try:
         cfg = engine_config(args)
+    except ModelNotFound as e:  # no such folder, and a Hub id neither cached nor downloadable
+        print(f"leverlab serve: {e}", file=sys.stderr)
+        return 1
     except UnsupportedLever as e:
         print(f"leverlab serve: {e}", file=sys.stderr)
         return 2

@@ -25,8 +25,10 @@ from pathlib import Path
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "model", nargs="?", default=None, help="model folder (default: the bundled default model), or `compare`"
+        "model", nargs="?", default=None,
+        help="model folder or Hugging Face Hub id (default: the bundled default model), or `compare`"
     )
+    p.add_argument("--revision", default=None, help="with a Hub id: its branch, tag or commit (default: main)")
     p.add_argument("folders", nargs="*", help="after `compare`: the two study folders A B")
     p.add_argument(
         "--engine",
@@ -234,8 +236,14 @@ def _compare(args: argparse.Namespace, console) -> int:
 
 def _study(args: argparse.Namespace, plan, engine, console, run_id: str | None = None) -> int:
     from leverlab.config import default_model_path
+    from leverlab.errors import ModelNotFound
+    from leverlab.hub import resolve_model
 
-    model = str(args.model or default_model_path())
+    try:  # a Hub id: its cached snapshot folder, which every configuration's engine then loads
+        model = str(args.model and resolve_model(args.model, args.revision) or default_model_path())
+    except ModelNotFound as e:
+        print(f"leverlab study: {e}", file=sys.stderr)
+        return 1
     root = Path(__file__).resolve().parents[2]
     workload = args.workload or str(root / "models" / "workload.json")
     if not Path(workload).is_file():
