@@ -1,4 +1,5 @@
-"""Load a Hugging Face folder into our CausalLM: config.json + one or many *.safetensors (memory-mapped)."""
+"""Load a Hugging Face folder into our CausalLM: config.json + one or many *.safetensors (memory-mapped), or
+PyTorch's pytorch_model*.bin where a folder has no safetensors (read with weights_only, memory-mapped too)."""
 
 from __future__ import annotations
 
@@ -36,14 +37,52 @@ def default_dtype(dtype: torch.dtype):
 
 
 def checkpoint_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
-    files = sorted(path.glob("*.safetensors"))
+    """The weight files: safetensors (sharded by an index, or not) first, else PyTorch's pickled *.bin."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = path / index_name
+        if index.is_file():
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
+        raise FileNotFoundError(f"no *.safetensors (nor pytorch_model*.bin) in {path}")
     return files
+
+
+class _StateDictReader:
+    """A loaded state dict behind safe_open's two calls (keys, get_tensor)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state = state
+
+    def keys(self):
+        return list(self.state)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.state[name]
+
+
+@contextmanager
+def open_checkpoint(file: Path):
+    """One weight file, read tensor by tensor: safetensors memory-mapped; a *.bin through torch.load with
+    weights_only (no code from the pickle runs) and mmap (tensors are paged in as they are copied, not read
+    whole first). A *.bin in the old, pre-zip format cannot be mapped: it is read into memory."""
+    if file.suffix == ".safetensors":
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            yield f
+        return
+    try:
+        state = torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        state = torch.load(str(file), map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise ValueError(f"{file} holds a {type(state).__name__}, not a state dict of tensors")
+    try:
+        yield _StateDictReader(state)
+    finally:
+        del state
 
 
 def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.device = "cpu",
@@ -94,8 +133,8 @@ def load_weights(model: CausalLM, path: Path) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in checkpoint_files(path):
-        # safe_open maps the file; each tensor is read once and copied into its (converted) parameter.
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        # The file is mapped; each tensor is read once and copied into its (converted) parameter.
+        with open_checkpoint(file) as f:
             for name in f.keys():
                 if "rotary_emb" in name:
                     continue
@@ -152,7 +191,7 @@ def load_embedding_and_lm_head(path, dtype, device) -> tuple[torch.Tensor, torch
     path = Path(path)
     found: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with open_checkpoint(file) as f:
             for name in ("model.embed_tokens.weight", "lm_head.weight"):
                 if name in f.keys():
                     found[name] = f.get_tensor(name).to(device=device, dtype=dtype)

@@ -58,10 +58,9 @@ def is_quantized_weight(name: str) -> bool:
 
 def quantize_folder(src: str | Path, dst: str | Path, method: str, group_size: int | None = None,
                     overwrite: bool = False) -> Path:
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from leverlab.models.loader import checkpoint_files
+    from leverlab.models.loader import checkpoint_files, open_checkpoint
 
     src, dst = Path(src), Path(dst)
     cfg = json.loads((src / "config.json").read_text())
@@ -77,7 +76,7 @@ def quantize_folder(src: str | Path, dst: str | Path, method: str, group_size: i
     weight_map = {}
     for file in files:
         out = {}
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with open_checkpoint(file) as f:  # safetensors, or a *.bin (written out as safetensors)
             for name in f.keys():
                 tensor = f.get_tensor(name)
                 if is_quantized_weight(name):
@@ -86,12 +85,14 @@ def quantize_folder(src: str | Path, dst: str | Path, method: str, group_size: i
                         out[f"{base}.{suffix}"] = t.contiguous()
                 else:
                     out[name] = tensor.contiguous()
-        save_file(out, str(dst / file.name), metadata={"format": "pt"})
-        weight_map.update({k: file.name for k in out})
+        name = file.with_suffix(".safetensors").name
+        save_file(out, str(dst / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in out})
+    skip = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
     for f in src.iterdir():  # tokenizer, generation config, README...
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+        if f.is_file() and f.suffix not in (".safetensors", ".bin") and f.name not in skip:
             shutil.copy(f, dst / f.name)
-    if (src / "model.safetensors.index.json").is_file():
+    if len(files) > 1:
         (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     qcfg = qm.config_dict()
     qcfg["leverlab"] = {"method": method, "algorithm": "round-to-nearest"}
