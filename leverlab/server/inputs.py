@@ -11,7 +11,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from leverlab.engine.chat import render_chat
 from leverlab.engine.client import EnginePrompt, validate_prompt
+from leverlab.errors import RequestError
 from leverlab.server.body import Limits
 from leverlab.server.protocol import BadRequest, ChatCompletionRequest
 
@@ -58,33 +60,18 @@ def encode_prompt(engine: Any, prompt: str | list[int]) -> Prompt:
 
 
 def encode_chat(engine: Any, req: ChatCompletionRequest, template: str | None = None) -> Prompt:
-    """Render the conversation with `template` (None: the tokenizer's own) and tokenize it. Slow for a long
-    conversation and unbounded for a hostile template: never call this on the event loop."""
+    """Render the conversation with `template` (None: the tokenizer's own; engine/chat.py, shared with
+    LLM.chat) and tokenize it. Slow for a long conversation and unbounded for a hostile template: never call
+    this on the event loop."""
     tok = engine.tokenizer
-    if template is None and not getattr(tok, "chat_template", None):
-        raise BadRequest(
-            f"model {engine.model_name!r} has no chat template in its tokenizer config; "
-            "use /v1/completions with a plain prompt instead",
-            "messages",
-        )
     t0 = time.perf_counter()
     try:
-        text = tok.apply_chat_template(
-            req.template_messages(),
-            tokenize=False,
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            # the model's own template renders the tools (a template without tool support ignores them)
-            **({"tools": req.tools} if req.tools else {}),
-            **{k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "chat_template"},
-            **({"chat_template": template} if template is not None else {}),
-        )
-    except BadRequest:
-        raise
-    except Exception as e:  # jinja TemplateError, raise_exception() in the template, bad kwargs
-        raise BadRequest(f"the chat template rejected these messages: {e}", "messages") from e
-    if not isinstance(text, str) or not text:
-        raise BadRequest("the chat template rendered an empty prompt", "messages")
+        text = render_chat(tok, req.template_messages(), chat_template=template,
+                           add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message, tools=req.tools,
+                           chat_template_kwargs=req.chat_template_kwargs, model_name=engine.model_name)
+    except RequestError as e:
+        raise BadRequest(str(e), e.param) from e
     # The template already holds any special tokens (BOS, role markers): do not add them twice.
     ids = list(tok.encode(text, add_special_tokens=False))
     return Prompt(ids, text, time.perf_counter() - t0)

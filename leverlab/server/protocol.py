@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from leverlab.engine.chat import template_message
 from leverlab.sampling_params import SamplingParams, StructuredOutputsParams
 from leverlab.server.fields import UNBUILT_CHAT, UNBUILT_COMPLETION, first_unbuilt
 
@@ -342,12 +343,7 @@ class ChatMessage(BaseModel):
                 )
 
     def as_template_dict(self) -> dict[str, Any]:
-        d = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            d["content"] = "".join(part.text for part in self.content)
-        elif self.content is None:
-            d["content"] = ""
-        return d
+        return template_message(self.model_dump(exclude_none=True))  # the renderer LLM.chat uses too
 
 
 class ChatCompletionRequest(_CommonRequest):

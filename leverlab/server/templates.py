@@ -12,11 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from leverlab.engine.chat import RESERVED_KWARGS
 from leverlab.server.protocol import BadRequest, ChatCompletionRequest
-
-# apply_chat_template arguments a client must not set through chat_template_kwargs: the server sets them
-# (tokenize would change the return type; the template one is governed by the trust flag).
-_RESERVED_KWARGS = ("tokenize", "return_dict", "return_tensors", "conversation", "messages")
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -42,7 +39,7 @@ class TemplatePolicy:
     def template_for(self, req: ChatCompletionRequest) -> str | None:
         """The template to render `req` with (None: the tokenizer's); refuses a client's unless trusted."""
         kwargs = req.chat_template_kwargs or {}
-        for key in _RESERVED_KWARGS:
+        for key in RESERVED_KWARGS:  # apply_chat_template arguments the server sets itself
             if key in kwargs:
                 raise BadRequest(f"chat_template_kwargs.{key} is set by the server; remove it",
                                  "chat_template_kwargs")
