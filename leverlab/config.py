@@ -25,6 +25,9 @@ class EngineConfig:
     tokenizer: str | None = None  # a folder or Hub id; None: the model's own
     tokenizer_revision: str | None = None
     model_id: str | None = None  # the Hub id `model` was resolved from (the default served name); set by resolve_models
+    # vLLM's switch to run a repository's own model code. We never do: True is accepted for an architecture we
+    # implement (our code runs) and refused, with that reason, for any other (models/config.py).
+    trust_remote_code: bool = False
     dtype: str = "bfloat16"
     device: str = "auto"  # "auto" picks cuda when present, else cpu
     max_model_len: int | None = None  # None: the model's context (max_position_embeddings, stretched by rope scaling)

@@ -23,7 +23,7 @@ def _json_object(s: str) -> dict:
 
 # flag -> EngineConfig field
 ENGINE_FIELDS = (
-    "revision", "tokenizer", "tokenizer_revision", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size",
+    "revision", "tokenizer", "tokenizer_revision", "trust_remote_code", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size",
     "num_kv_blocks", "kv_cache_memory", "kv_cache_memory_fraction", "enable_prefix_caching", "quantization",
     "kv_cache_dtype", "lm_head_quantization", "speculative_config", "structured_outputs_jump_forward",
     "tensor_parallel_size", "data_parallel_size", "nnodes", "node_rank", "master_addr", "master_port",
@@ -37,6 +37,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="with a Hugging Face Hub id as the model: its branch, tag or commit (default: main)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id (default: the model's own)")
     g.add_argument("--tokenizer-revision", default=None, help="with a Hub id as --tokenizer: its branch, tag or commit")
+    g.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="accepted for the architectures LeverLab implements (its own code runs); no model code "
+                   "from a repository is ever run, so any other architecture is refused")
     g.add_argument("--dtype", default=None, choices=("auto", "half", "float", *DTYPES),
                    help="auto (bfloat16), half (float16), float (float32), or the name")
     g.add_argument("--device", default=None, help="auto (cuda when present), cpu or cuda")

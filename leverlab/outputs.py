@@ -4,8 +4,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# For each position: {token_id: logprob}, holding the chosen token and the top-N alternatives.
+# For each position: {token_id: logprob}, holding the chosen token and the top-N alternatives. The engine (and
+# the server, which writes them as JSON) keeps plain floats; LLM hands them out as Logprob objects, as vLLM.
 PositionLogprobs = dict[int, float]
+
+
+@dataclass
+class Logprob:
+    """vLLM's shape of one entry of a position's logprobs (LLM's outputs): the token's logprob, its 1-based rank
+    in the vocabulary (the tokens at least as likely, itself included) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def as_logprob_objects(position: PositionLogprobs, chosen: int | None, chosen_rank: int | None,
+                       decode) -> dict[int, Logprob]:
+    """One position's {token: float} as {token: Logprob}: the chosen token with its measured rank, the
+    alternatives ranked by their order (1 = most likely); decode(token_id) gives each decoded_token."""
+    out: dict[int, Logprob] = {}
+    ranked = sorted(position.items(), key=lambda kv: -kv[1])
+    for r, (tok, lp) in enumerate(ranked, start=1):
+        out[tok] = Logprob(lp, r, decode(tok))
+    if chosen is not None and chosen in out:
+        out[chosen].rank = chosen_rank if chosen_rank is not None else out[chosen].rank
+        out = {chosen: out[chosen], **{t: v for t, v in out.items() if t != chosen}}  # chosen first, as vLLM
+    return out
 
 
 @dataclass
@@ -65,9 +90,13 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[PositionLogprobs] | None = None
+    # With SamplingParams.logprobs: per output token, {token: logprob} from the engine (the server reads these),
+    # {token: Logprob} from LLM (vLLM's shape); None without.
+    logprobs: list[PositionLogprobs] | list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    cumulative_logprob: float | None = None  # the output tokens' summed logprob; None without logprobs (as vLLM)
+    ranks: list[int] | None = None  # with logprobs: each output token's rank in the vocabulary
 
     @property
     def finished(self) -> bool:
@@ -82,6 +111,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    prompt_logprobs: list[PositionLogprobs | None] | None = None  # None at position 0
+    prompt_logprobs: list[PositionLogprobs | None] | list[dict[int, Logprob] | None] | None = None  # None at 0
     # with prompt_logprobs: each prompt token's 1-based rank in the whole vocabulary (None at position 0)
     prompt_ranks: list[int | None] | None = None

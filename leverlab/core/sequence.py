@@ -42,6 +42,8 @@ class Sequence:
     num_released_blocks: int = 0  # leading blocks handed back because they fell out of a sliding window
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks registered so far
     logprobs: list[PositionLogprobs] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)  # with logprobs: each output token's rank in the vocabulary
+    cumulative_logprob: float = 0.0  # with logprobs: the sum of the output tokens' logprobs
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_ranks: list[int | None] | None = None  # each prompt token's rank in the vocabulary, with prompt_logprobs
     grammar: SequenceGrammar | None = None  # structured output: the matcher this sequence's tokens follow

@@ -45,7 +45,7 @@ class LLMEngine:
         self.config = config.resolve_models()  # a Hub id becomes its cached folder (hub.py), once, here
         path = str(config.model or default_model_path())
         self.model_path = path
-        self.model_config = ModelConfig.from_folder(path)
+        self.model_config = ModelConfig.from_folder(path, config.trust_remote_code)
         if config.data_parallel_size > 1:
             raise ValueError("LLMEngine is one replica; data_parallel_size > 1 is served by engine/replicas.py "
                              "(LLM and `leverlab serve` choose it)")
@@ -233,10 +233,14 @@ class LLMEngine:
             lps = None
             if n_lp is not None:
                 k = min(len(tokens), rows.shape[0])  # tokens past the rows were forced by a grammar: logprob 0
-                lps = top_logprobs(rows[:k], torch.tensor(tokens[:k]), [n_lp] * k) + [{t: 0.0} for t in tokens[k:]]
+                chosen = torch.tensor(tokens[:k])
+                lps = top_logprobs(rows[:k], chosen, [n_lp] * k) + [{t: 0.0} for t in tokens[k:]]
+                ranks = token_ranks(rows[:k], chosen) + [1] * (len(tokens) - k)  # (LLM's Logprob.rank)
             for j, tok in enumerate(tokens):
                 if lps is not None:
                     seq.logprobs.append(lps[j])
+                    seq.ranks.append(ranks[j])
+                    seq.cumulative_logprob += lps[j][tok]
                 self._append(req, seq, tok, now)
                 if seq.finish_reason is not None:
                     break

@@ -94,7 +94,7 @@ class ReplicaSet:
                                    "serving host (tensor parallelism spans hosts)")
         self.config = config.resolve_models()  # a Hub id becomes its cached folder (hub.py)
         path = str(config.model or default_model_path())
-        self.model_config = ModelConfig.from_folder(path)
+        self.model_config = ModelConfig.from_folder(path, config.trust_remote_code)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
         self.vocab_size = self.model_config.vocab_size
         self.model_name = served_model_name or config.model_id or path.rstrip("/").split("/")[-1]

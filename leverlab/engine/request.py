@@ -32,6 +32,8 @@ class Request:
                 text=self.texts[i],
                 token_ids=list(s.output_token_ids),
                 logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
+                ranks=list(s.ranks) if s.params.logprobs is not None else None,
+                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
             )

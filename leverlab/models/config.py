@@ -44,7 +44,9 @@ class ModelConfig:
     torch_dtype: str | None
 
     @classmethod
-    def from_folder(cls, path: str | Path) -> ModelConfig:
+    def from_folder(cls, path: str | Path, trust_remote_code: bool = False) -> ModelConfig:
+        """trust_remote_code (vLLM's switch) changes nothing but the reason given for an architecture we do not
+        implement: our own code is all that ever runs, never a repository's."""
         path = Path(path)
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
@@ -53,8 +55,10 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
+            why = (" trust_remote_code is accepted only for these: LeverLab runs its own implementation of an "
+                   "architecture, never model code from the checkpoint's repository") if trust_remote_code else ""
             raise ValueError(
-                f"unsupported architecture {archs!r} in {cfg_file}; supported: {sorted(ARCHITECTURES)}"
+                f"unsupported architecture {archs!r} in {cfg_file}; supported: {sorted(ARCHITECTURES)}.{why}"
             )
         switches = ARCHITECTURES[arch]
         heads = raw["num_attention_heads"]
