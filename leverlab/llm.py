@@ -5,7 +5,7 @@ script written for vLLM's offline API runs with only its import line changed.
 vLLM's constructor keywords map onto EngineConfig (VLLM_KWARGS); one with no counterpart here is refused by
 name, never dropped. Prompts take vLLM's forms: a string, a list of token ids, `{"prompt": str}` (TextPrompt)
 or `{"prompt_token_ids": [...]}` (TokensPrompt), or a list of any of these; `chat()` renders conversations with
-the chat template as the server does (engine/chat.py). Logprobs come back as vLLM's `Logprob` objects, with
+the chat template as the server does (leverlab/chat.py). Logprobs come back as vLLM's `Logprob` objects, with
 `cumulative_logprob`. An LLM holds processes when it runs tensor-parallel or data-parallel
 (`data_parallel_size=N`: N engine processes, each prompt routed to one): `close()` (or `with LLM(...) as llm:`)
 stops them, and so does collecting the object.
@@ -21,8 +21,8 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from leverlab.chat import render_chat, template_message
 from leverlab.config import EngineConfig
-from leverlab.engine.chat import render_chat, template_message
 from leverlab.engine.llm_engine import LLMEngine
 from leverlab.errors import RequestError, UnsupportedLever
 from leverlab.outputs import RequestOutput, as_logprob_objects

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent / "leverlab"
 
 # Each floor: the top-level modules and packages of leverlab that live on it.
 FLOORS: list[set[str]] = [
-    {"config", "env", "errors", "hub", "outputs", "sampling_params", "engine_args", "quant_config",
+    {"config", "chat", "env", "errors", "hub", "outputs", "sampling_params", "engine_args", "quant_config",
      "speculative_config"},
     {"kernels"},
     {"distributed"},

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from leverlab.engine.chat import render_chat
+from leverlab.chat import render_chat
 from leverlab.engine.client import EnginePrompt, validate_prompt
 from leverlab.errors import RequestError
 from leverlab.server.body import Limits
@@ -60,7 +60,7 @@ def encode_prompt(engine: Any, prompt: str | list[int]) -> Prompt:
 
 
 def encode_chat(engine: Any, req: ChatCompletionRequest, template: str | None = None) -> Prompt:
-    """Render the conversation with `template` (None: the tokenizer's own; engine/chat.py, shared with
+    """Render the conversation with `template` (None: the tokenizer's own; leverlab/chat.py, shared with
     LLM.chat) and tokenize it. Slow for a long conversation and unbounded for a hostile template: never call
     this on the event loop."""
     tok = engine.tokenizer

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from leverlab.engine.chat import template_message
+from leverlab.chat import template_message
 from leverlab.sampling_params import SamplingParams, StructuredOutputsParams
 from leverlab.server.fields import UNBUILT_CHAT, UNBUILT_COMPLETION, first_unbuilt
 

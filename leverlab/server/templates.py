@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from leverlab.engine.chat import RESERVED_KWARGS
+from leverlab.chat import RESERVED_KWARGS
 from leverlab.server.protocol import BadRequest, ChatCompletionRequest
 
 

@@ -224,7 +224,7 @@ def _run(model: str, levers: dict[str, Any], prompts: list[dict], tokens: int, p
         if prompt_logprobs and o.prompt_logprobs is not None:
             s["prompt_tokens"] = [str(t) for t in o.prompt_token_ids]
             s["prompt_logprobs"] = [
-                None if d is None else {str(k): float(v) for k, v in d.items()} for d in o.prompt_logprobs
+                None if d is None else {str(k): v.logprob for k, v in d.items()} for d in o.prompt_logprobs
             ]
         samples.append(s)
     llm.engine.close()  # tensor parallel: stop its workers before the next run starts its own

@@ -27,4 +27,4 @@ def test_bundled_model_parity_with_transformers():
     with torch.no_grad():
         logp = torch.log_softmax(ref(torch.tensor([ids])).logits[0], -1)
     for pos in range(1, len(ids)):
-        assert abs(out.prompt_logprobs[pos][ids[pos]] - logp[pos - 1, ids[pos]].item()) < 1e-4
+        assert abs(out.prompt_logprobs[pos][ids[pos]].logprob - logp[pos - 1, ids[pos]].item()) < 1e-4

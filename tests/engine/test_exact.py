@@ -56,6 +56,6 @@ def test_bfloat16_close_to_transformers(checkpoint_factory):
     out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0))[0]
     with torch.no_grad():
         expected = torch.log_softmax(ref(torch.tensor([PROMPTS[1]])).logits[0].float(), -1)
-    ours = [lp[tok] for lp, tok in zip(out.prompt_logprobs[1:], PROMPTS[1][1:])]
+    ours = [lp[tok].logprob for lp, tok in zip(out.prompt_logprobs[1:], PROMPTS[1][1:])]
     theirs = [expected[i, tok].item() for i, tok in enumerate(PROMPTS[1][1:])]
     assert max(abs(a - b) for a, b in zip(ours, theirs)) < 0.1

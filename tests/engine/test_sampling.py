@@ -81,12 +81,12 @@ def test_logprobs_match_transformers(llm, hf):
         ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0], -1)
     for i, (tok, lp) in enumerate(zip(o.token_ids, o.logprobs)):
         row = ref[len(PROMPT) - 1 + i]
-        assert abs(lp[tok] - row[tok].item()) < 1e-4
+        assert abs(lp[tok].logprob - row[tok].item()) < 1e-4
         top = row.topk(3).indices.tolist()
         assert set(top) <= set(lp) and len(lp) <= 4
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPT)
     for pos in range(1, len(PROMPT)):
-        assert abs(out.prompt_logprobs[pos][PROMPT[pos]] - ref[pos - 1, PROMPT[pos]].item()) < 1e-4
+        assert abs(out.prompt_logprobs[pos][PROMPT[pos]].logprob - ref[pos - 1, PROMPT[pos]].item()) < 1e-4
 
 
 def test_bad_requests_say_what_to_fix(llm):

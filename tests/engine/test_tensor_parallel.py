@@ -84,8 +84,8 @@ def test_int8_tp2_close_to_tp1(checkpoint_factory, closing):
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     ref = engine(path, 1, quantization="int8").generate(PROMPTS[1], params)[0]
     out = closing(path, 2, quantization="int8").generate(PROMPTS[1], params)[0]
-    a = [lp[t] for lp, t in zip(ref.prompt_logprobs[1:], PROMPTS[1][1:])]
-    b = [lp[t] for lp, t in zip(out.prompt_logprobs[1:], PROMPTS[1][1:])]
+    a = [lp[t].logprob for lp, t in zip(ref.prompt_logprobs[1:], PROMPTS[1][1:])]
+    b = [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], PROMPTS[1][1:])]
     assert max(abs(x - y) for x, y in zip(a, b)) < 0.05
 
 

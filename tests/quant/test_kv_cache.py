@@ -73,7 +73,7 @@ def test_engine_with_quantized_kv_cache_tracks_the_float_cache(checkpoint_factor
     tol = 0.05 if name == "int8" else 0.3
     assert len(outs[0].prompt_logprobs) == 37  # the first prompt's logprobs are all compared
     for o, b in zip(outs, base):
-        diffs = [abs(lp[t] - lb[t]) for lp, lb, t in zip(o.prompt_logprobs[1:], b.prompt_logprobs[1:],
+        diffs = [abs(lp[t].logprob - lb[t].logprob) for lp, lb, t in zip(o.prompt_logprobs[1:], b.prompt_logprobs[1:],
                                                           o.prompt_token_ids[1:])]
         # (a prompt that hits the prefix cache comes back without prompt logprobs: engine behaviour, not ours)
         assert not diffs or max(diffs) < tol, max(diffs)

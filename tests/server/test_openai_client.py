@@ -122,7 +122,7 @@ def test_prompt_logprobs_and_token_ids_match_the_engine(client, checkpoint):
     assert len(plp) == len(ref.prompt_token_ids) and plp[0] is None
     for pos, (got, want, tid) in enumerate(zip(plp[1:], ref.prompt_logprobs[1:], ref.prompt_token_ids[1:])):
         assert set(got) == {str(t) for t in want}, pos  # the prompt's own token and the top 2
-        assert got[str(tid)]["logprob"] == pytest.approx(want[tid], abs=1e-5)
+        assert got[str(tid)]["logprob"] == pytest.approx(want[tid].logprob, abs=1e-5)
         # the prompt's own token has its rank in the whole vocabulary (vLLM's), whether or not in the top 2
         assert got[str(tid)]["rank"] == ref.prompt_ranks[pos + 1] >= 1, pos
         ranks = sorted(e["rank"] for e in got.values())

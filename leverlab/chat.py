@@ -1,5 +1,6 @@
 """A conversation rendered to prompt text by a chat template: the one renderer of the server's
-/v1/chat/completions and of LLM.chat, so both build the same prompt from the same messages.
+/v1/chat/completions and of LLM.chat, so both build the same prompt from the same messages. Floor 0: it only
+calls the tokenizer it is given, and the server (which meets the engine through EngineClient only) imports it.
 
 Which template may run (the server refuses a client's own unless the operator trusts clients) is decided by
 the caller; this module only renders. Errors are RequestError (the server answers 400) naming what to fix.
