@@ -61,6 +61,10 @@ def test_revision_by_ref_and_by_commit(offline):
     # the tokenizer by id and revision too (vLLM's tokenizer / tokenizer_revision)
     cfg = EngineConfig(model=str(offline["main"]), tokenizer="tiny/qwen3", tokenizer_revision="v2").resolve_models()
     assert Path(cfg.tokenizer) == offline["v2_snap"]
+    # a draft model by id (with vLLM's "revision" key), resolved with the target before anything loads it
+    spec = {"method": "draft_model", "model": "tiny/qwen3", "revision": "v2", "num_speculative_tokens": 2}
+    cfg = EngineConfig(model="tiny/qwen3", speculative_config=spec).resolve_models()
+    assert Path(cfg.speculative_config["model"]) == offline["v2_snap"] and Path(cfg.model) == offline["main_snap"]
 
 
 def test_missing_id_says_which_id_revision_and_cache(offline):
