@@ -79,11 +79,12 @@ def test_missing_id_says_which_id_revision_and_cache(offline):
         LLM("./no/such/folder")  # a path, never looked up on the Hub
 
 
-@pytest.mark.parametrize("command", [["serve", "tiny/absent"], ["generate", "--model", "tiny/absent", "hi"]])
+@pytest.mark.parametrize("command", [["serve", "tiny/absent"], ["generate", "--model", "tiny/absent", "hi"],
+                                     ["study", "tiny/absent"]])
 def test_cli_missing_id_is_a_clear_error(hub, tmp_path, command):
     env = {"PATH": "/usr/bin:/bin", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "leverlab.cli", *command, "--revision", "v3"], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "-m", "leverlab.cli", *command, "--revision", "v3"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "Traceback" not in r.stderr, r.stderr
