@@ -1,4 +1,5 @@
-"""Engine flags shared by `leverlab serve` and `leverlab generate`, named as vLLM names them.
+"""Engine flags shared by `leverlab serve` and `leverlab generate`, named as vLLM names them, and the keywords
+of `LLM(...)` (llm_kwargs: vLLM's constructor names mapped onto EngineConfig, the rest refused by name).
 
 Every flag defaults to None, meaning "the EngineConfig default": defaults live in one place (config.py).
 """
@@ -6,9 +7,12 @@ Every flag defaults to None, meaning "the EngineConfig default": defaults live i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+from typing import Any
 
 from leverlab.config import DTYPES, EngineConfig
+from leverlab.errors import UnsupportedLever
 
 
 def _json_object(s: str) -> dict:
@@ -91,3 +95,45 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
     kwargs = {k: getattr(args, k) for k in ENGINE_FIELDS if getattr(args, k, None) is not None}
     return EngineConfig(model=model, **kwargs)
+
+
+# LLM(...)'s keywords: EngineConfig's fields by their own names, and vLLM's names that map onto them
+# (llm_kwargs); chat_template is the LLM's own (the default template of LLM.chat).
+ENGINE_KEYWORDS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model"}
+VLLM_KWARGS = frozenset({"gpu_memory_utilization", "enforce_eager", "kv_cache_memory_bytes", "spec_method",
+                         "spec_model", "spec_tokens", "chat_template"})
+
+
+def llm_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """vLLM's LLM(...) keywords as EngineConfig fields, and the LLM's own (chat_template).
+    Our own field names (EngineConfig's) pass as they are; a keyword with neither is refused by name."""
+    kw = dict(kwargs)
+    own = {"chat_template": kw.pop("chat_template", None)}
+    if "gpu_memory_utilization" in kw:
+        # vLLM: the share of the device's memory the engine may take; here the KV cache's share of the memory
+        # left free once the weights are loaded (--kv-cache-memory-fraction), the part that the knob sizes.
+        v = kw.pop("gpu_memory_utilization")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 0.95:
+            raise UnsupportedLever(f"gpu_memory_utilization={v!r}: give a share in (0, 0.95]; LeverLab gives "
+                                   "that share of the memory free after loading the weights to the KV cache")
+        kw["kv_cache_memory_fraction"] = float(v)
+    if "enforce_eager" in kw:
+        # True: no compilation (our eager mode). False is vLLM's default and leaves our own (eager unless
+        # execution_mode="compiled" or LEVERLAB_EXECUTION_MODE say otherwise).
+        if kw.pop("enforce_eager"):
+            kw["execution_mode"] = "eager"
+    if "kv_cache_memory_bytes" in kw:
+        kw["kv_cache_memory"] = kw.pop("kv_cache_memory_bytes")
+    spec = {k: kw.pop(f"spec_{k}") for k in ("method", "model", "tokens") if f"spec_{k}" in kw}
+    spec = {k: v for k, v in spec.items() if v is not None}
+    if spec:
+        if kw.get("speculative_config"):
+            raise UnsupportedLever("give speculative_config or spec_method/spec_model/spec_tokens, not both")
+        kw["speculative_config"] = {"num_speculative_tokens" if k == "tokens" else k: v for k, v in spec.items()}
+    unknown = sorted(set(kw) - ENGINE_KEYWORDS)
+    if unknown:
+        raise UnsupportedLever(
+            f"LLM(): {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not supported by LeverLab "
+            "(a vLLM option with no counterpart here, or a misspelling); remove "
+            f"{'it' if len(unknown) == 1 else 'them'}. Accepted: {', '.join(sorted(ENGINE_KEYWORDS | VLLM_KWARGS))}")
+    return kw, own

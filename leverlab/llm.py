@@ -2,7 +2,7 @@
 script written for vLLM's offline API runs with only its import line changed.
 
 `model` is a folder or a Hugging Face Hub id (resolved through the Hub's cache, config.py: resolve_models).
-vLLM's constructor keywords map onto EngineConfig (VLLM_KWARGS); one with no counterpart here is refused by
+vLLM's constructor keywords map onto EngineConfig (engine_args.llm_kwargs); one with no counterpart here is refused by
 name, never dropped. Prompts take vLLM's forms: a string, a list of token ids, `{"prompt": str}` (TextPrompt)
 or `{"prompt_token_ids": [...]}` (TokensPrompt), or a list of any of these; `chat()` renders conversations with
 the chat template as the server does (leverlab/chat.py). Logprobs come back as vLLM's `Logprob` objects, with
@@ -24,6 +24,7 @@ from typing import Any
 from leverlab.chat import render_chat, template_message
 from leverlab.config import EngineConfig
 from leverlab.engine.llm_engine import LLMEngine
+from leverlab.engine_args import llm_kwargs
 from leverlab.errors import RequestError, UnsupportedLever
 from leverlab.outputs import RequestOutput, as_logprob_objects
 from leverlab.sampling_params import SamplingParams
@@ -49,48 +50,6 @@ def _one_prompt(p: Any) -> str | list[int]:
         return list(p)
     raise RequestError(f"a prompt must be a string, a list of token ids or a dict, got {type(p).__name__}")
 
-
-ENGINE_KEYWORDS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model"}
-
-
-def _engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """vLLM's LLM(...) keywords as EngineConfig fields, and the LLM's own (chat_template).
-    Our own field names (EngineConfig's) pass as they are; a keyword with neither is refused by name."""
-    kw = dict(kwargs)
-    own = {"chat_template": kw.pop("chat_template", None)}
-    if "gpu_memory_utilization" in kw:
-        # vLLM: the share of the device's memory the engine may take; here the KV cache's share of the memory
-        # left free once the weights are loaded (--kv-cache-memory-fraction), the part that the knob sizes.
-        v = kw.pop("gpu_memory_utilization")
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 0.95:
-            raise UnsupportedLever(f"gpu_memory_utilization={v!r}: give a share in (0, 0.95]; LeverLab gives "
-                                   "that share of the memory free after loading the weights to the KV cache")
-        kw["kv_cache_memory_fraction"] = float(v)
-    if "enforce_eager" in kw:
-        # True: no compilation (our eager mode). False is vLLM's default and leaves our own (eager unless
-        # execution_mode="compiled" or LEVERLAB_EXECUTION_MODE say otherwise).
-        if kw.pop("enforce_eager"):
-            kw["execution_mode"] = "eager"
-    if "kv_cache_memory_bytes" in kw:
-        kw["kv_cache_memory"] = kw.pop("kv_cache_memory_bytes")
-    spec = {k: kw.pop(f"spec_{k}") for k in ("method", "model", "tokens") if f"spec_{k}" in kw}
-    spec = {k: v for k, v in spec.items() if v is not None}
-    if spec:
-        if kw.get("speculative_config"):
-            raise UnsupportedLever("give speculative_config or spec_method/spec_model/spec_tokens, not both")
-        kw["speculative_config"] = {"num_speculative_tokens" if k == "tokens" else k: v for k, v in spec.items()}
-    unknown = sorted(set(kw) - ENGINE_KEYWORDS)
-    if unknown:
-        raise UnsupportedLever(
-            f"LLM(): {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not supported by LeverLab "
-            "(a vLLM option with no counterpart here, or a misspelling); remove "
-            f"{'it' if len(unknown) == 1 else 'them'}. Accepted: {', '.join(sorted(ENGINE_KEYWORDS | VLLM_KWARGS))}")
-    return kw, own
-
-
-# vLLM keywords LLM maps (the rest of its names that we take are EngineConfig's own fields, same name)
-VLLM_KWARGS = frozenset({"gpu_memory_utilization", "enforce_eager", "kv_cache_memory_bytes", "spec_method",
-                         "spec_model", "spec_tokens", "chat_template"})
 
 # LLM.generate / LLM.chat keywords of vLLM that we do not build: refused when set (None is their default)
 UNBUILT_CALL_KWARGS = ("lora_request", "priority", "tokenization_kwargs", "mm_processor_kwargs")
@@ -118,7 +77,7 @@ class LLM:
     Options: EngineConfig's fields, and vLLM's names for them (gpu_memory_utilization, enforce_eager, ...)."""
 
     def __init__(self, model: str | None = None, **kwargs):
-        engine_kwargs, own = _engine_kwargs(kwargs)
+        engine_kwargs, own = llm_kwargs(kwargs)
         config = EngineConfig(model=str(model) if model else "", **engine_kwargs)
         self.chat_template: str | None = own["chat_template"]
         if config.data_parallel_size > 1:  # replica processes, prompts spread over them (engine/replicas.py)
