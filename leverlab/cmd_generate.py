@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from leverlab.chat import render_chat
 from leverlab.engine_args import add_engine_arguments, config_from_args
 from leverlab.errors import LeverLabError
 
@@ -39,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
         llm = LLM(**vars(cfg))
         load_s = time.monotonic() - t0
         if args.chat:
-            prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                          add_generation_prompt=True) for p in prompts]
+            # the renderer of the server and LLM.chat, so --chat prompts are the ones those build
+            prompts = [render_chat(llm.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
         t0 = time.monotonic()
         outs = llm.generate(prompts, params)
         wall = time.monotonic() - t0

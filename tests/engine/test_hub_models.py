@@ -89,3 +89,14 @@ def test_cli_missing_id_is_a_clear_error(hub, tmp_path, command):
     assert r.returncode != 0
     assert "Traceback" not in r.stderr, r.stderr
     assert "'tiny/absent'" in r.stderr and "'v3'" in r.stderr and str(tmp_path / "hf" / "hub") in r.stderr
+
+
+def test_cli_generate_by_hub_id(hub, tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_CACHE": str(hub["cache"]), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "leverlab.cli", "generate", "--model", "tiny/qwen3", "--revision", "v2",
+                        "--dtype", "float32", "--max-tokens", "8", "--ignore-eos", PROMPT], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with LLM(str(hub["other"]), **KW) as llm:
+        want = llm.generate(PROMPT, GREEDY)[0].outputs[0].text
+    assert PROMPT + want in r.stdout
