@@ -54,14 +54,15 @@ def _looks_local(model: str) -> bool:
 
 
 def resolve_model(model: str, revision: str | None = None, what: str = "model") -> str:
-    """A local folder (or file) for `model`: the path itself when it exists, else the Hub id's snapshot in the
-    cache (downloaded first unless offline). ModelNotFound says which id, revision and cache were looked in."""
+    """A local folder (or file) for `model`: the path itself when it exists (or can only be a path), else the
+    Hub id's snapshot in the cache (downloaded first unless offline). ModelNotFound says which id, revision and
+    cache were looked in."""
     if not model or Path(model).expanduser().exists():
         # a local path has no revisions (transformers ignores them there too); EngineConfig copies made with
         # dataclasses.replace come here again with the folder already resolved
         return str(Path(model).expanduser()) if model else model
     if _looks_local(model):
-        raise ModelNotFound(f"{what} {model!r}: no such file or folder")
+        return model  # a path, never a Hub id: the part that reads it says what is missing there
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
 

@@ -75,8 +75,8 @@ def test_missing_id_says_which_id_revision_and_cache(offline):
     assert str(offline["cache"] / "models--tiny--absent") in msg
     with pytest.raises(ModelNotFound, match="revision 'nope'"):
         LLM("tiny/qwen3", revision="nope")  # the repo is cached, that revision is not
-    with pytest.raises(ModelNotFound, match="no such file or folder"):
-        LLM("./no/such/folder")  # a path, never looked up on the Hub
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        LLM("./no/such/folder")  # a path, never looked up on the Hub: the loader says what is missing
 
 
 @pytest.mark.parametrize("command", [["serve", "tiny/absent"], ["generate", "--model", "tiny/absent", "hi"],
