@@ -37,6 +37,10 @@ def _one_prompt(p: Any) -> str | list[int]:
     if isinstance(p, str):
         return p
     if isinstance(p, Mapping):
+        extra = sorted(set(p) - {"prompt", "prompt_token_ids"})
+        if extra:  # vLLM's multi_modal_data, cache_salt, ...: refused by name, never dropped
+            raise RequestError(f"prompt keys {extra} are not supported by LeverLab; a prompt dict takes 'prompt' "
+                               "or 'prompt_token_ids'")
         keys = set(p) & {"prompt", "prompt_token_ids"}
         if len(keys) != 1:
             raise RequestError("a dict prompt needs exactly one of 'prompt' (text) or 'prompt_token_ids', "

@@ -48,6 +48,8 @@ def test_generate_takes_sampling_params_by_vllms_name(llm):
         llm.generate(PROMPTS, GREEDY, priority=[1, 2])
     with pytest.raises(UnsupportedLever, match="prompt_adapter_request"):
         llm.generate(PROMPTS, GREEDY, prompt_adapter_request=None)
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate({"prompt": PROMPTS[0], "multi_modal_data": {"image": None}}, GREEDY)
 
 
 def test_vllm_constructor_keywords_map_onto_the_engine(path):
