@@ -79,7 +79,7 @@ def module_logits(path, ids, max_model_len):
 def engine_prompt_logprobs(llm, ids):
     """Our engine's log-probabilities of ids[1:] (its default path: prefill chunks, fused where built)."""
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
-    return torch.tensor([lp[tok] for lp, tok in zip(out.prompt_logprobs[1:], ids[1:])])
+    return torch.tensor([lp[tok].logprob for lp, tok in zip(out.prompt_logprobs[1:], ids[1:])])
 
 
 def their_logprobs(logits, ids):
