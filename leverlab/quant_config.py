@@ -23,9 +23,11 @@ QUANT_METHODS: dict[str, tuple[str, str, dict]] = {
     "awq": ("leverlab.quant.awq", "AWQMethod", {}),
     "gptq": ("leverlab.quant.gptq", "GPTQMethod", {}),
     "fp8": ("leverlab.quant.fp8", "FP8Method", {}),
+    # llm-compressor's format (W8A8 int8, W4A16 int4, FP8): each config group onto our int8/int4/fp8 kernels
+    "compressed-tensors": ("leverlab.quant.compressed_tensors", "CompressedTensorsMethod", {}),
 }
 # Methods whose weights must come pre-quantized in the checkpoint (their config lives there).
-CHECKPOINT_ONLY = ("awq", "gptq")
+CHECKPOINT_ONLY = ("awq", "gptq", "compressed-tensors")
 
 # --lm-head-quantization values. The tied head of a small model is a large share of a step's bytes (a fifth of the
 # bundled model, a quarter of Qwen3-0.6B), and llama.cpp's Q4_0 files keep it above 4 bits: Q6_K where rows are a

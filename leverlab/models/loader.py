@@ -171,13 +171,26 @@ def attach_quant_method(model: nn.Module, method: QuantMethod | None, head: Quan
     creating their weights; returns the layers that got one."""
     layers = []
     for name, module in model.named_modules():
-        m = head if name == "lm_head" else method
-        if isinstance(module, Linear) and m is not None:
+        if not isinstance(module, Linear):
+            continue
+        m = method.for_layer(checkpoint_parts(name), module) if method is not None else None
+        if name == "lm_head":
+            m = head
+        if m is not None:
             module.is_lm_head = name == "lm_head"
             module.use(m)
             m.create_weights(module)
             layers.append(module)
+    if method is not None:
+        method.attached()
     return layers
+
+
+def checkpoint_parts(name: str) -> list[str]:
+    """The checkpoint module names a layer of ours holds: q_proj, k_proj, v_proj for a packed qkv_proj."""
+    parent, _, leaf = name.rpartition(".")
+    parts = [f"{parent}.{part}" for part, (target, _) in CausalLM.PACKED.items() if target == leaf]
+    return parts or [name]
 
 
 def finish_quantization(layers: list[nn.Module]) -> None:

@@ -78,6 +78,16 @@ class QuantMethod:
         """The runtime state this method keeps on each layer (KernelState's fields; a method may extend it)."""
         return KernelState()
 
+    def for_layer(self, parts: list[str], layer: nn.Module) -> QuantMethod | None:
+        """The method for one layer, given the checkpoint module names it holds (q_proj, k_proj, v_proj of a
+        packed qkv layer; ["lm_head"] for the head, whose own method is chosen apart): this one. A checkpoint
+        whose config gives layers different methods (compressed-tensors' groups) answers per layer, None
+        where its layers stay in the model dtype, and refuses a head it quantizes."""
+        return self
+
+    def attached(self) -> None:
+        """Called once every layer has asked for_layer: a config naming layers this model lacks says so here."""
+
     def create_weights(self, layer: nn.Module) -> None:
         """Default: keep the floating-point `layer.weight`, filled from the checkpoint and converted later."""
 

@@ -83,12 +83,20 @@ def quant_method_for_checkpoint(qcfg: dict, requested: str | None = None):
         raise UnsupportedLever(f"checkpoint quant_method {kind!r} is not supported; supported: "
                                f"{', '.join(m for m in QUANT_METHODS if '-g' not in m)}")
     requested = check_quantization(requested)
+    cls, _ = _cls(CHECKPOINT_READERS.get(kind, kind))
+    if kind == "compressed-tensors":
+        # Its groups say everything (activations included): only a flag naming what it holds is accepted.
+        method = cls.from_checkpoint_config(qcfg)
+        if requested not in (None, kind, *method.families):
+            raise UnsupportedLever(f"--quantization {requested} does not match this checkpoint, which is "
+                                   f"compressed-tensors {'/'.join(sorted(method.families))}; drop the flag or pass "
+                                   f"--quantization {kind}")
+        return method
     # int4 names the same math as an AWQ/GPTQ checkpoint (whose own group size wins): accepted for them.
     same = {kind} | ({"int4"} if kind in CHECKPOINT_ONLY else set())
     if requested is not None and requested.split("-")[0] not in same:
         raise UnsupportedLever(f"--quantization {requested} does not match this checkpoint, which is "
                                f"pre-quantized with {kind}; drop the flag or pass --quantization {kind}")
-    cls, _ = _cls(CHECKPOINT_READERS.get(kind, kind))
     method = cls.from_checkpoint_config(qcfg)
     if requested is not None:  # kernel-path options of the flag (int8-w8a8); the checkpoint's group size wins
         for key, value in QUANT_METHODS[requested][2].items():
