@@ -40,7 +40,7 @@ from leverlab.quant.layouts import INT4_GROUP_SIZES, quantize_int8
 
 NAME = "compressed-tensors"
 # quantization_config keys besides QuantizationConfig's own fields: what the writers add around it.
-_INFORMATIONAL = {"version", "quant_method"}
+_INFORMATIONAL = {"version", "quant_method", "leverlab"}  # leverlab: what `leverlab quantize` ran
 _EMPTY_ONLY = {"sparsity_config": "sparsity (e.g. 2:4)", "transform_config": "transforms (rotations such as "
                "SpinQuant / QuIP)"}
 
@@ -80,7 +80,8 @@ class CompressedTensorsMethod(QuantMethod):
         if config.kv_cache_scheme is not None:
             raise _refuse("kv_cache_scheme (KV-cache quantization scales; use --kv-cache-dtype int8 or fp8)")
         if config.quantization_status != "compressed":
-            raise _refuse(f"quantization_status {config.quantization_status!r} (only compressed checkpoints)")
+            status = getattr(config.quantization_status, "value", config.quantization_status)
+            raise _refuse(f"quantization_status {status!r} (only compressed checkpoints)")
         methods = {name: scheme_method(name, scheme, scheme.format or config.format)
                    for name, scheme in config.config_groups.items()}
         return cls(config, methods)

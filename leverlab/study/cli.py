@@ -64,7 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--gguf", action="append", default=[], metavar="PRECISION=FILE", help="llama.cpp model files"
     )
     p.add_argument("--draft-gguf", default=None, help="llama.cpp draft model file")
-    p.add_argument("--vllm-checkpoint", action="append", default=[], metavar="PRECISION=DIR")
+    p.add_argument("--checkpoint", "--vllm-checkpoint", dest="checkpoint", action="append", default=[],
+                   metavar="PRECISION=DIR", help="a pre-quantized folder (e.g. a published compressed-tensors W8A8 "
+                   "release for int8) that every engine serves for that precision")
     p.add_argument(
         "--fidelity",
         default="auto",
@@ -189,7 +191,7 @@ def _engine(name: str, args: argparse.Namespace):
         execution_mode=args.execution_mode,
         gguf=_pairs(args.gguf, "--gguf"),
         draft_gguf=args.draft_gguf,
-        checkpoints=_pairs(args.vllm_checkpoint, "--vllm-checkpoint"),
+        checkpoints=_pairs(args.checkpoint, "--checkpoint"),
     )
     if args.fidelity != "auto":
         if args.fidelity == "inprocess" and engine.name != "leverlab":

@@ -233,11 +233,10 @@ def run_config(
     if engine.fidelity_mode == "inprocess" and rec["status"] == "done":
         progress.say("  fidelity pass (in-process)")
         try:
-            from leverlab.study.engines.base import served_model
             from leverlab.study.fidelity import collect_inprocess
 
             fid = collect_inprocess(
-                served_model(model, step.levers),
+                engine.weights(model, step.levers),
                 asdict(step.levers),
                 fid_prompts,
                 plan.fidelity_tokens,
@@ -268,7 +267,6 @@ def exactness_pass(steps: list[Step], plan: Plan, engine: Engine, model: str, ou
     has no exactness yet (a resumed study's too), all in one worker process (fidelity.collect_exactness)."""
     if not engine.inprocess_exactness or engine.fidelity_mode != "http":
         return
-    from leverlab.study.engines.base import served_model
     from leverlab.study.fidelity import collect_exactness
 
     todo = {}
@@ -277,7 +275,7 @@ def exactness_pass(steps: list[Step], plan: Plan, engine: Engine, model: str, ou
         if (state.config(step.name).get("status") == "done" and step.levers.speculative is not None
                 and plan.checks_exactness(step) and path.is_file()
                 and "exactness" not in json.loads(path.read_text())):
-            todo[step.name] = {"name": step.name, "model": served_model(model, step.levers),
+            todo[step.name] = {"name": step.name, "model": engine.weights(model, step.levers),
                                "levers": asdict(step.levers), "prompts": fid_prompts, "tokens": plan.fidelity_tokens}
     if not todo:
         return

@@ -144,14 +144,14 @@ def _group(q):
 
 
 REFUSALS = {
-    "static activation scales": lambda q: _group(q)["input_activations"].update(dynamic=False),
+    "static activation scales": lambda q: _group(q)["input_activations"].update(dynamic=False, strategy="tensor"),
     "asymmetric activations": lambda q: _group(q)["input_activations"].update(symmetric=False),
     "kv_cache_scheme": lambda q: q.update(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"}),
     "sparsity": lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}),
     "transforms": lambda q: q.update(transform_config={"config_groups": {"u": {}}}),
     "no layer of this model matches": lambda q: _group(q).update(targets=["Embedding"]),
     "quantized output head": lambda q: q.update(ignore=[]),
-    "int8 weights in format marlin-24": lambda q: q.update(format="marlin-24"),
+    "int8 weights in format marlin-24": lambda q: _group(q).update(format="marlin-24"),
     "int8 weights group": lambda q: _group(q)["weights"].update(strategy="group", group_size=32),
     "int2 weights": lambda q: _group(q)["weights"].update(num_bits=2),
     "output_activations": lambda q: _group(q).update(output_activations=dict(_group(q)["input_activations"])),
@@ -174,7 +174,7 @@ def test_refusals_of_the_other_schemes(written, tmp_path):
     with pytest.raises(UnsupportedLever, match="asymmetric fp8 weights"):
         load_model(_edit(written("fp8-block"), tmp_path, asym_block), "float32")
     shutil.rmtree(tmp_path / "edited")
-    with pytest.raises(UnsupportedLever, match="actorder group"):
+    with pytest.raises(ValueError, match="actorder='group' has been removed"):  # the package's own refusal
         load_model(_edit(written("w4a16"), tmp_path, lambda q: _group(q)["weights"].update(actorder="group")),
                    "float32")
     shutil.rmtree(tmp_path / "edited")
@@ -191,15 +191,16 @@ def test_quantization_flag_must_name_what_the_checkpoint_holds(written):
         assert load_model(path, "float32", quantization=flag).quant_method.name == "compressed-tensors"
 
 
-def test_our_w8a8_export_loads_back_as_our_int8(checkpoint_factory, tmp_path):
+def test_our_w8a8_export_loads_back_as_our_int8(source, tmp_path):
     """`leverlab quantize --method w8a8` writes our int8 in this format: read back, the layers hold int8.py's own
-    values and scales, and in bf16 (where activations are quantized by the same kernels) the logits and greedy
-    tokens are those of --quantization int8, bit for bit."""
+    values and scales, and in bf16 (where activations are quantized by the same kernels) the greedy tokens are
+    those of --quantization int8. The source holds bf16 numbers, as real checkpoints do: --quantization int8 at
+    bf16 quantizes the bf16 weight, the export the checkpoint's own (float32 here), the same values then."""
     from leverlab.cli import main
 
-    src = checkpoint_factory("llama")  # untied head, sharded checkpoint with an index
     dst = tmp_path / "w8a8"
-    assert main(["quantize", src, str(dst), "--method", "w8a8"]) == 0
+    assert main(["quantize", str(source), str(dst), "--method", "w8a8"]) == 0
+    src = str(source)
     ours = LLM(src, dtype="bfloat16", quantization="int8", lm_head_quantization="none")
     read = LLM(str(dst), dtype="bfloat16")
     a, b = ours.engine.runner.model, read.engine.runner.model
@@ -209,3 +210,18 @@ def test_our_w8a8_export_loads_back_as_our_int8(checkpoint_factory, tmp_path):
     assert b.lm_head.quant_method is None
     tokens = [o.outputs[0].token_ids for o in ours.generate(PROMPTS, GREEDY)]
     assert tokens == [o.outputs[0].token_ids for o in read.generate(PROMPTS, GREEDY)]
+    # A prefill's logits (the int8 GEMM path): bit for bit.
+    a = load_model(src, "bfloat16", quantization="int8", lm_head="none")
+    assert torch.equal(_logits(a), _logits(load_model(dst, "bfloat16")))
+
+
+def _logits(model, ids=tuple(range(10, 40))):
+    from leverlab.layers.attention import AttentionMetadata, forward_context
+
+    cfg, ids = model.config, torch.tensor(ids)
+    t = len(ids)
+    caches = [torch.zeros(2, 4, 16, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
+              for _ in range(cfg.num_layers)]
+    meta = AttentionMetadata(torch.arange(t), torch.tensor([[0, 1]]), torch.tensor([t]), torch.tensor([0, t]))
+    with torch.no_grad(), forward_context(meta, caches):
+        return model.compute_logits(model(ids, torch.arange(t)))

@@ -32,6 +32,23 @@ def test_leverlab_flags():
     assert _flag(cmd, "--execution-mode") == "eager" and _flag(cmd, "--dtype") == "bfloat16"
 
 
+def test_a_precision_can_name_a_published_checkpoint_folder_for_every_engine(tmp_path, vllm_cpu):
+    """--checkpoint int8=DIR (e.g. a RedHatAI W8A8 release): LeverLab serves that folder, as vLLM does, with the
+    flag naming the precision (our compressed-tensors reader accepts int8 for a W8A8 folder); other precisions and
+    the model lever keep their own folders. The in-process fidelity pass loads the same folder (Engine.weights)."""
+    from leverlab.study.cli import _pairs
+
+    folders = _pairs([f"int8={tmp_path}"], "--checkpoint")
+    ours = get_engine("leverlab", checkpoints=folders)
+    vllm_cpu.checkpoints.update(folders)
+    cmd = ours.command("/m", Levers(quantization="int8"), 9)
+    assert cmd[cmd.index("serve") + 1] == str(tmp_path) and _flag(cmd, "--quantization") == "int8"
+    assert _flag(vllm_cpu.command("/m", Levers(quantization="int8"), 9), "--model") == str(tmp_path)
+    assert ours.weights("/m", Levers(quantization="int8")) == str(tmp_path)
+    assert ours.weights("/m", Levers(quantization="int4")) == "/m"
+    assert ours.weights("/m", Levers(quantization="int8", model=str(tmp_path / "x"))) == str(tmp_path / "x")
+
+
 def test_leverlab_refusals_come_from_the_engine_config_then_the_draft_folder():
     e = get_engine("leverlab")
     assert e.unsupported(Levers(tensor_parallel_size=2)) == {}

@@ -124,6 +124,11 @@ class Engine:
         """lever -> why this engine cannot express the value this configuration asks for."""
         return {}
 
+    def weights(self, model: str, levers: Levers) -> str:
+        """The folder this configuration serves (and in-process fidelity loads): the study's model, the model
+        lever's folder, or a pre-quantized folder the engine was given for the precision (--checkpoint)."""
+        return served_model(model, levers)
+
     def precheck(self, model: str, levers: Levers) -> str | None:
         """The engine's own refusal, found without starting a server (None: no refusal known up front).
         A refusal that only shows at start-up (exit code 2) is still caught by start()."""

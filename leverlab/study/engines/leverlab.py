@@ -20,9 +20,19 @@ class LeverLabEngine(Engine):
     fidelity_mode = "http"  # from the configuration's own server: no model load per configuration
     inprocess_exactness = True  # speculative steps: a float32 spec-on/spec-off pair through the Python API
 
-    def __init__(self, execution_mode: str = "eager", max_num_batched_tokens: int | None = None, **_):
+    def __init__(self, execution_mode: str = "eager", max_num_batched_tokens: int | None = None,
+                 checkpoints: dict[str, str] | None = None, **_):
         self.execution_mode = execution_mode
         self.max_num_batched_tokens = max_num_batched_tokens
+        # precision -> a pre-quantized folder (--checkpoint P=DIR: a published compressed-tensors / AWQ / GPTQ
+        # release), served instead of quantizing the model at load; the same folder vLLM is given
+        self.checkpoints = dict(checkpoints or {})
+
+    def weights(self, model: str, levers: Levers) -> str:
+        prec = levers.precision_label()
+        if prec in self.checkpoints and not levers.model:
+            return str(resolve(self.checkpoints[prec]) or self.checkpoints[prec])
+        return served_model(model, levers)
 
     def prepare(self, model: str, plan, workload: Path, say=print) -> dict:
         """The C++ kernels built here, once, before any server starts: a first build takes 1-3 minutes (more on
@@ -46,7 +56,7 @@ class LeverLabEngine(Engine):
             return f"model: the folder {levers.model} does not exist"
         if levers.batching not in ("continuous", "static"):
             return f"batching: {levers.batching!r} is not continuous or static"
-        model = served_model(model, levers)
+        model = self.weights(model, levers)
         spec = self._spec(levers)
         try:
             EngineConfig(
@@ -81,7 +91,7 @@ class LeverLabEngine(Engine):
         return spec
 
     def command(self, model: str, levers: Levers, port: int) -> list[str]:
-        cmd = [sys.executable, "-m", "leverlab.cli", "serve", served_model(model, levers), "--port", str(port)]
+        cmd = [sys.executable, "-m", "leverlab.cli", "serve", self.weights(model, levers), "--port", str(port)]
         cmd += ["--dtype", levers.dtype, "--execution-mode", self.execution_mode]
         if levers.quantization:
             cmd += ["--quantization", levers.quantization]
@@ -106,7 +116,8 @@ class LeverLabEngine(Engine):
 
     def capabilities(self) -> dict[str, str]:
         return {
-            "precision": "--dtype, --quantization int8|int4|fp8|awq|gptq",
+            "precision": "--dtype, --quantization int8|int4|fp8|awq|gptq; --checkpoint P=DIR serves a pre-quantized "
+            "folder (compressed-tensors, AWQ, GPTQ) for precision P",
             "kv_cache_dtype": "--kv-cache-dtype int8|fp8",
             "speculation": "--speculative-config (the engine refuses methods not built yet)",
             "prefix_caching": "--enable-prefix-caching / --no-enable-prefix-caching",

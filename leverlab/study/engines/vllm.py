@@ -8,7 +8,7 @@ study reports vLLM's own error for it, never a guess):
   precision        dtype: --dtype. int8: a compressed-tensors W8A8 int8 folder (our int8's weights, written once
                    by `leverlab quantize --method w8a8` into the cache), which vLLM runs on its int8 GEMM; int4:
                    an AWQ-format folder (`leverlab quantize --method int4`, group 64), which its CPU build runs
-                   on its WNA16 kernel; fp8: --quantization fp8 on the fly; --vllm-checkpoint P=DIR overrides.
+                   on its WNA16 kernel; fp8: --quantization fp8 on the fly; --checkpoint P=DIR (alias --vllm-checkpoint) overrides.
   kv_cache_dtype   --kv-cache-dtype fp8 (int8 -> fp8)
   speculation      --speculative-config JSON with vLLM's keys only: method (ngram, draft_model, eagle3), model,
                    num_speculative_tokens, prompt_lookup_min/max (ngram: our defaults 2/4 spelled out),
@@ -94,7 +94,7 @@ class VLLMEngine(Engine):
     fidelity_mode = "http"
 
     def __init__(self, checkpoints: dict[str, str] | None = None, threads: int | None = None, **_):
-        self.checkpoints = dict(checkpoints or {})  # precision -> folder, given by --vllm-checkpoint
+        self.checkpoints = dict(checkpoints or {})  # precision -> folder, given by --checkpoint
         self.exports: dict[tuple[str, str], str] = {}  # (model folder, precision) -> folder, from prepare()
         self.errors: dict[str, str] = {}  # precision -> why its folder could not be written
         self.threads = threads
@@ -141,7 +141,7 @@ class VLLMEngine(Engine):
             raise ValueError(f"{folder} is not a model folder")
         return peer_vllm.quantized_folder(src, prec)
 
-    def _weights(self, model: str, levers: Levers) -> str:
+    def weights(self, model: str, levers: Levers) -> str:
         """The folder this configuration serves: the user's checkpoint, our export, or the model itself."""
         prec = levers.precision_label()
         folder = levers.model or model
@@ -157,7 +157,7 @@ class VLLMEngine(Engine):
             gaps["structured"] = "vLLM has no jump-forward switch (its grammar engine decodes every token)"
         q = levers.quantization
         if q and q not in ON_THE_FLY and q not in EXPORTS and q not in self.checkpoints:
-            gaps["precision"] = f"{q} needs a pre-quantized checkpoint (--vllm-checkpoint {q}=DIR)"
+            gaps["precision"] = f"{q} needs a pre-quantized checkpoint (--checkpoint {q}=DIR)"
         spec = levers.speculative or {}
         if spec.get("adaptive"):
             gaps["speculation"] = "vLLM has no adaptive K (its nearest: num_speculative_tokens_per_batch_size)"
@@ -187,7 +187,7 @@ class VLLMEngine(Engine):
 
     def command(self, model: str, levers: Levers, port: int) -> list[str]:
         q = levers.quantization
-        weights = self._weights(model, levers)
+        weights = self.weights(model, levers)
         args = ["--dtype", levers.dtype]
         if q in ON_THE_FLY and q not in self.checkpoints:
             args += ["--quantization", ON_THE_FLY[q]]
