@@ -31,6 +31,9 @@ def head_quant_method(method, choice: str = "auto", device=None, hidden: int | N
     if choice == "same" or (choice == "auto" and method is not None and method.quantize_lm_head):
         if method is None:
             raise UnsupportedLever("--lm-head-quantization same needs a --quantization method")
+        if method.name == "compressed-tensors":  # a config, not a layer method: its head is ignored or refused
+            raise UnsupportedLever("--lm-head-quantization same: this compressed-tensors checkpoint leaves the "
+                                   "output head out of its groups; pick int8, int6 or none")
         return method
     if choice == "int6" or (choice == "auto" and method is not None and method.name == "int4"
                             and _fast_int6(device, hidden, dtype)):

@@ -5,6 +5,7 @@ refused by name."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +15,8 @@ from leverlab.errors import UnsupportedLever
 from leverlab.layers.linear import Linear
 from leverlab.models.decoder import CausalLM
 from leverlab.models.loader import load_model
+from tests.quant import ct_writer as ct
 from tests.quant.formats import write_float
-
-ct = pytest.importorskip("tests.quant.ct_writer", reason="the compressed-tensors package is not installed")
 
 # A model whose every input width is a multiple of 128 (FP8 blocks, int4 group 128); k/v are 64 rows, so a
 # 128-row block straddles the packed qkv layer's shards.
@@ -37,7 +37,7 @@ def source(checkpoint_factory, tmp_path_factory):
     dst = tmp_path_factory.mktemp("bf16src")
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).float()
     model.save_pretrained(str(dst))
-    for f in (src if hasattr(src, "iterdir") else __import__("pathlib").Path(src)).iterdir():
+    for f in Path(src).iterdir():
         if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
             shutil.copy(f, dst / f.name)
     return dst
@@ -189,6 +189,9 @@ def test_quantization_flag_must_name_what_the_checkpoint_holds(written):
         load_model(path, "float32", quantization="int4")
     for flag in ("int8", "compressed-tensors"):
         assert load_model(path, "float32", quantization=flag).quant_method.name == "compressed-tensors"
+    with pytest.raises(UnsupportedLever, match="leaves the output head out"):
+        load_model(path, "float32", lm_head="same")
+    assert load_model(path, "float32", lm_head="int8").lm_head.quant_method.name == "int8"
 
 
 def test_our_w8a8_export_loads_back_as_our_int8(source, tmp_path):
