@@ -85,7 +85,9 @@ def test_registry_names_the_valid_choices():
     assert EngineConfig(quantization="int4-g32", kv_cache_dtype="int8").quantization == "int4-g32"
     with pytest.raises(UnsupportedLever, match="pre-quantized AWQ"):
         get_quant_method("awq")
-    assert set(LOAD_TIME) | {"awq", "gptq", "int8+head", "int4+head"} == set(QUANT_METHODS)
+    assert set(LOAD_TIME) | {"awq", "gptq", "compressed-tensors", "int8+head", "int4+head"} == set(QUANT_METHODS)
+    with pytest.raises(UnsupportedLever, match="pre-quantized COMPRESSED-TENSORS checkpoints only"):
+        get_quant_method("compressed-tensors")
     with pytest.raises(UnsupportedLever, match="valid: auto, none, int8, int6, same"):
         EngineConfig(lm_head_quantization="int4")
     assert get_quant_method("int4+head").quantize_lm_head and not get_quant_method("int4").quantize_lm_head
