@@ -32,6 +32,13 @@ from leverlab.quant.int8 import Int8Method
 SHAPE = "weight_shape"
 
 
+def check_zero_points(z: torch.Tensor, what: str) -> None:
+    """Older writers store a symmetric layer's zero points too (all zero): taken and checked, never applied."""
+    if torch.count_nonzero(z):
+        raise ValueError(f"compressed-tensors: {what} has non-zero weight_zero_point values, but its scheme is "
+                         "symmetric")
+
+
 def quantize_tokens_int8(x: torch.Tensor) -> torch.Tensor:
     """x float [rows, in] -> x quantized per row to int8 and back (dynamic, symmetric: the format's own rule)."""
     scale = x.abs().amax(dim=-1, keepdim=True) / 127.5
@@ -72,6 +79,9 @@ class CTInt8Method(Int8Method):
         if kind == "weight_scale":
             copy_checked(shard_rows(layer, layer.weight_scale.data, shard), tensor.float().reshape(-1, 1),
                          f"{kind}/{shard}")
+            return True
+        if kind == "weight_zero_point":
+            check_zero_points(tensor, f"int8 layer {shard or ''}")
             return True
         return False
 
@@ -140,9 +150,16 @@ class CTInt4Method(Int4Method):
             self._stage(layer, "weight_packed", (q.to(torch.int16) + 8).to(torch.uint8), shard)
         elif kind == "weight_scale":
             self._stage(layer, "weight_scale", tensor.float(), shard)
-        elif kind == "weight_zero_point" and not self.symmetric:
+        elif kind == "weight_zero_point":
             z = unpack_from_int32(tensor, 4, torch.Size((rows, layer.in_features // self.group_size)), packed_dim=0)
-            self._stage(layer, "weight_zero_point", (z.to(torch.int16) + 8).to(torch.uint8), shard)
+            if self.symmetric:
+                check_zero_points(z, f"int4 layer {shard or ''}")
+            else:
+                self._stage(layer, "weight_zero_point", (z.to(torch.int16) + 8).to(torch.uint8), shard)
+        elif kind == "weight_g_idx":  # act-order "weight" writers may store the plain order: only that is read
+            if not torch.equal(tensor.to(torch.int64), torch.arange(layer.in_features) // self.group_size):
+                raise ValueError("compressed-tensors int4: weight_g_idx permutes the inputs (activation ordering "
+                                 "by group), which is not supported")
         else:
             raise ValueError(f"compressed-tensors int4 ({'symmetric' if self.symmetric else 'asymmetric'}) "
                              f"layer: unexpected checkpoint tensor {kind!r}")
@@ -191,6 +208,9 @@ class CTFP8Method(FP8Method):
             elif self.strategy == "block":
                 s = s.repeat_interleave(self.block[0], dim=0)[: target.shape[0]]
             copy_checked(target, s, f"weight_scale/{shard}")
+            return True
+        if kind == "weight_zero_point":
+            check_zero_points(tensor, f"fp8 layer {shard or ''}")
             return True
         return False
 

@@ -228,3 +228,25 @@ def _logits(model, ids=tuple(range(10, 40))):
     meta = AttentionMetadata(torch.arange(t), torch.tensor([[0, 1]]), torch.tensor([t]), torch.tensor([0, t]))
     with torch.no_grad(), forward_context(meta, caches):
         return model.compute_logits(model(ids, torch.arange(t)))
+
+
+@pytest.mark.parametrize("value,ok", [(0, True), (1, False)])
+def test_zero_points_of_a_symmetric_scheme_are_read_and_must_be_zero(written, tmp_path, value, ok):
+    """Older compressed-tensors versions store zero points of symmetric int8 layers too (all zero)."""
+    from safetensors.torch import load_file, save_file
+
+    dst = tmp_path / "with-zp"
+    shutil.copytree(written("w8a8"), dst)
+    for file in dst.glob("*.safetensors"):
+        tensors = load_file(str(file))
+        for name in [n for n in tensors if n.endswith(".weight_scale")]:
+            tensors[name.replace("weight_scale", "weight_zero_point")] = torch.full_like(tensors[name], value,
+                                                                                         dtype=torch.int8)
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    if ok:
+        ref = load_model(written("w8a8"), "float32").model.layers[1].mlp.down_proj
+        got = load_model(dst, "float32").model.layers[1].mlp.down_proj
+        assert torch.equal(got.quant_method.dequantize(got), ref.quant_method.dequantize(ref))
+    else:
+        with pytest.raises(ValueError, match="non-zero weight_zero_point"):
+            load_model(dst, "float32")
