@@ -91,3 +91,27 @@ def test_refuses_gptq_act_order_row_split(checkpoint_factory, tmp_path):
     write_quantized(checkpoint_factory("qwen3"), tmp_path / "gptq", "gptq", group_size=32, act_order=True)
     with pytest.raises(UnsupportedLever, match="desc_act"):
         ranks(tmp_path / "gptq")
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "w8a16", "w4a16", "w4a16-asym", "fp8-channel"])
+def test_compressed_tensors_checkpoints_split(checkpoint_factory, tmp_path, scheme):
+    """Written by the compressed-tensors package (tests/quant/ct_writer.py); groups of 32 inputs, int4 zero points
+    packed 8 output rows to an int32 (a rank's k/v slice holds whole words)."""
+    from tests.quant import ct_writer
+
+    spec = dict(ct_writer.SCHEMES[scheme])
+    if scheme.startswith("w4a16"):
+        spec = {"weights": {**spec["weights"], "group_size": 32}}
+    path = ct_writer.write_ct(checkpoint_factory("qwen3"), tmp_path / scheme, spec, ct_writer.FORMATS[scheme])
+    check_shards(path)
+
+
+def test_compressed_tensors_block_fp8_is_refused_split(checkpoint_factory, tmp_path):
+    from tests.quant import ct_writer
+
+    spec = {**ct_writer.SCHEMES["fp8-block"]}
+    spec["weights"] = {**spec["weights"], "block_structure": [32, 32]}
+    spec["input_activations"] = {**spec["input_activations"], "group_size": 32}
+    path = ct_writer.write_ct(checkpoint_factory("qwen3"), tmp_path / "b", spec, "float-quantized")
+    with pytest.raises(UnsupportedLever, match="no known way to split checkpoint tensor 'weight_scale"):
+        ranks(path)
