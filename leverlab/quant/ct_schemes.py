@@ -23,20 +23,13 @@ import torch
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
 from leverlab.quant.base import TensorLayout, copy_checked, flatten, set_param, shard_rows
-from leverlab.quant.fp8 import FP8, FP8Method
+from leverlab.quant.fp8_checkpoint import FP8CheckpointMethod, check_zero_points
 from leverlab.quant.int4 import Int4Method
 from leverlab.quant.int8 import Int8Method
 
 # The tensor the format writes with every packed weight: its [out, in] shape (the slice's own rows and
 # inputs are the layer's, so it is only checked where the whole tensor is here).
 SHAPE = "weight_shape"
-
-
-def check_zero_points(z: torch.Tensor, what: str) -> None:
-    """Older writers store a symmetric layer's zero points too (all zero): taken and checked, never applied."""
-    if torch.count_nonzero(z):
-        raise ValueError(f"compressed-tensors: {what} has non-zero weight_zero_point values, but its scheme is "
-                         "symmetric")
 
 
 def quantize_tokens_int8(x: torch.Tensor) -> torch.Tensor:
@@ -175,78 +168,5 @@ class CTInt4Method(Int4Method):
         super().process_weights_after_loading(layer)
 
 
-class CTFP8Method(FP8Method):
-    """float-quantized e4m3: `weight` [out, in] with `weight_scale` [out, 1] (channel), [1] (tensor) or
-    [ceil(out/br), ceil(in/bc)] (block [br, bc]). Per-tensor scales are held per row (the same numbers); block
-    scales are held per row and block column, spread over each shard's own rows (a shard need not start on a
-    block boundary of the packed layer)."""
-
-    def __init__(self, strategy: str, block: tuple[int, int] | None = None):
-        self.strategy, self.block = strategy, block
-        self.name = "fp8"
-
-    def create_weights(self, layer) -> None:
-        layer.params_dtype = layer.weight.dtype
-        dev, out = layer.weight.device, layer.out_features
-        cols = -(-layer.in_features // self.block[1]) if self.block else 1
-        set_param(layer, "weight", torch.zeros(out, layer.in_features, dtype=FP8, device=dev))
-        set_param(layer, "weight_scale", torch.zeros(out, cols, dtype=torch.float32, device=dev))
-
-    def load(self, layer, kind, tensor, shard) -> bool:
-        if kind == "weight":
-            if tensor.dtype != FP8:
-                raise ValueError(f"compressed-tensors fp8 layer: weight/{shard} is {tensor.dtype}, not float8_e4m3fn")
-            copy_checked(shard_rows(layer, layer.weight.data, shard), tensor, f"weight/{shard}")
-            return True
-        if kind == "weight_scale":
-            target = shard_rows(layer, layer.weight_scale.data, shard)
-            s = tensor.float()
-            if self.strategy == "tensor":
-                if s.numel() != 1:
-                    raise ValueError(f"compressed-tensors fp8 per-tensor weight_scale/{shard} has {s.numel()} values")
-                s = s.reshape(1, 1).expand(target.shape)
-            elif self.strategy == "block":
-                s = s.repeat_interleave(self.block[0], dim=0)[: target.shape[0]]
-            copy_checked(target, s, f"weight_scale/{shard}")
-            return True
-        if kind == "weight_zero_point":
-            check_zero_points(tensor, f"fp8 layer {shard or ''}")
-            return True
-        return False
-
-    def tensor_layout(self, kind: str) -> TensorLayout | None:
-        if kind == "weight":
-            return TensorLayout(0, 1, 1, 1)
-        if kind == "weight_scale" and self.strategy == "channel":
-            return TensorLayout(0, 1, None, 1)
-        return None if kind == "weight_scale" else super().tensor_layout(kind)  # block / tensor: not split
-
-    def process_weights_after_loading(self, layer) -> None:
-        w8, scales = layer.weight.data, layer.weight_scale.data
-        set_param(layer, "weight", None)
-        set_param(layer, "weight_scale", None)
-        set_param(layer, "qweight", w8)
-        if self.block is None:  # fp8.py's own form: one scale per row
-            scales = scales[:, 0].contiguous()
-            native = layer.qweight.device.type == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
-            set_param(layer, "scales", scales if native else scales.to(layer.params_dtype))
-        else:
-            set_param(layer, "scales", scales.to(layer.params_dtype))
-
-    def _block_weight(self, layer, dtype: torch.dtype) -> torch.Tensor:
-        s = layer.scales.to(dtype).repeat_interleave(self.block[1], dim=1)[:, : layer.in_features]
-        return layer.qweight.to(dtype) * s
-
-    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if self.block is None:
-            return super().apply(layer, x)
-        # No FP8 matmul on the CPU: widen the weight, scale each block, multiply (fp8.py: a storage format here).
-        y = torch.mm(flatten(x), self._block_weight(layer, x.dtype).t())
-        if layer.bias is not None:
-            y = y + layer.bias
-        return y.view(*x.shape[:-1], layer.out_features)
-
-    def dequantize(self, layer) -> torch.Tensor:
-        if self.block is None:
-            return super().dequantize(layer)
-        return self._block_weight(layer, torch.float32)
+# float-quantized e4m3 is the same tensors as Hugging Face's own fp8 checkpoints, under one scale name
+CTFP8Method = FP8CheckpointMethod

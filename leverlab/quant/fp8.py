@@ -37,11 +37,6 @@ class FP8Method(QuantMethod):
     name = "fp8"
     bits_per_weight = 8.0
 
-    @classmethod
-    def from_checkpoint_config(cls, qcfg: dict) -> FP8Method:
-        raise ValueError("pre-quantized FP8 checkpoints are not read yet; pass --quantization fp8 on a "
-                         "bf16/fp32 checkpoint to quantize at load time")
-
     def process_weights_after_loading(self, layer) -> None:
         w8, scales = quantize_fp8(layer.weight.data)
         dtype = layer.weight.dtype

@@ -19,6 +19,8 @@ from leverlab.quant_config import (  # the flag values and their checks: plain d
 
 # `leverlab quantize --method int4` writes AWQ's layout under quant_method "int4": such a checkpoint reads as AWQ.
 CHECKPOINT_READERS = {"int4": "awq"}
+# quant_method -> the class reading its checkpoints where that is not the flag's own (fp8 quantizes at load).
+CHECKPOINT_CLASSES = {"fp8": ("leverlab.quant.fp8_checkpoint", "FP8CheckpointMethod")}
 
 
 def head_quant_method(method, choice: str = "auto", device=None, hidden: int | None = None,
@@ -86,7 +88,11 @@ def quant_method_for_checkpoint(qcfg: dict, requested: str | None = None):
         raise UnsupportedLever(f"checkpoint quant_method {kind!r} is not supported; supported: "
                                f"{', '.join(m for m in QUANT_METHODS if '-g' not in m)}")
     requested = check_quantization(requested)
-    cls, _ = _cls(CHECKPOINT_READERS.get(kind, kind))
+    if kind in CHECKPOINT_CLASSES:
+        module, name = CHECKPOINT_CLASSES[kind]
+        cls = getattr(importlib.import_module(module), name)
+    else:
+        cls, _ = _cls(CHECKPOINT_READERS.get(kind, kind))
     if kind == "compressed-tensors":
         # Its groups say everything (activations included): only a flag naming what it holds is accepted.
         method = cls.from_checkpoint_config(qcfg)

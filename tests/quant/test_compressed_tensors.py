@@ -24,7 +24,7 @@ SHAPE = dict(hidden_size=128, intermediate_size=256)
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 47)), [7]]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 METHODS = {"w8a8": "CTInt8Method", "w8a16": "CTInt8Method", "w4a16": "CTInt4Method", "w4a16-asym": "CTInt4Method",
-           "w4a16-g128": "CTInt4Method", "fp8-channel": "CTFP8Method", "fp8-block": "CTFP8Method"}
+           "w4a16-g128": "CTInt4Method", "fp8-channel": "FP8CheckpointMethod", "fp8-block": "FP8CheckpointMethod"}
 
 
 @pytest.fixture(scope="module")
@@ -250,3 +250,39 @@ def test_zero_points_of_a_symmetric_scheme_are_read_and_must_be_zero(written, tm
     else:
         with pytest.raises(ValueError, match="non-zero weight_zero_point"):
             load_model(dst, "float32")
+
+
+def _as_hf_fp8(ct_folder, dst, qcfg: dict) -> str:
+    """The compressed-tensors FP8-block checkpoint rewritten in Hugging Face's own fp8 format (Qwen3-*-FP8's):
+    the same e4m3 weights and block scales, the scales named weight_scale_inv."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(ct_folder, dst)
+    for file in dst.glob("*.safetensors"):
+        tensors = load_file(str(file))
+        tensors = {k.replace(".weight_scale", ".weight_scale_inv"): v for k, v in tensors.items()}
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = qcfg
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+def test_hugging_face_fp8_block_checkpoints_read_the_same_weights(written, tmp_path):
+    qcfg = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    path = _as_hf_fp8(written("fp8-block"), tmp_path / "hf", qcfg)
+    model = load_model(path, "float32")
+    assert model.quant_method.name == "fp8" and model.lm_head.quant_method is None
+    for name, layer in model.named_modules():
+        if isinstance(layer, Linear) and name != "lm_head":
+            w = torch.cat([ct.reference(written("fp8-block"), part) for part, _ in
+                           sorted(parts_of(name), key=lambda p: layer.shards[p[1]][0] if p[1] else 0)])
+            assert torch.equal(layer.quant_method.dequantize(layer), w), name
+    assert LLM(path, dtype="bfloat16").generate(PROMPTS, GREEDY)[0].outputs[0].token_ids
+    for key, value, what in (("activation_scheme", "static", "static activation scales"),
+                             ("fmt", "e5m2", "e4m3 only"), ("surprise", 1, "surprise")):
+        cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+        cfg["quantization_config"] = {**qcfg, key: value}
+        (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(UnsupportedLever, match=what):
+            load_model(path, "float32")
