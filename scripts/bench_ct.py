@@ -1,5 +1,6 @@
 """Issue 60's bar for compressed-tensors: a W8A8 compressed-tensors checkpoint of the Qwen3-0.6B shape decodes within
-5% of our own int8 of the same model, in one run (both reach the same int8 kernels).
+5% of our own int8 of the same model, in one run (both reach the same int8 kernels). `--scheme w4a16` times a W4A16
+checkpoint (groups of 128, symmetric, as the releases are) against our --quantization int4-g128 the same way.
 
 The checkpoint is written once by the `compressed-tensors` package itself (tests/quant/ct_writer.py: its
 apply_quantization_config and ModelCompressor, the W8A8 preset: per-channel int8 weights with scale max|w| / 127.5,
@@ -11,11 +12,11 @@ Both engines are loaded in this process, for each thread count in turn, and sing
 rounds that alternate between them (the first of each pair swapping), so drift on this shared machine falls on
 both; the median per engine counts. The head: compressed-tensors releases leave lm_head in bf16 (vLLM keeps it
 so, and so does our --lm-head-quantization auto for them), while our int8 puts the tied head in int8 by default.
-The bar compares like with like (`--ct-head int8`, default: the same head kernel on both sides); `--ct-head auto`
-measures the checkpoint as published, its bf16 head included.
+The bar compares like with like (`--ct-head match`, default: the head our run picked, int8 for int8, int6 or int8
+for int4); `--ct-head auto` measures the checkpoint as published, its bf16 head included.
 
-    flock /tmp/leverlab-cpu.lock python scripts/bench_ct.py [--threads 1,2] [--rounds 5] [--decode-len 64]
-                                                            [--ct-head int8|auto] [--ct DIR] [--mode eager]
+    flock /tmp/leverlab-cpu.lock python scripts/bench_ct.py [--scheme w8a8|w4a16] [--threads 1,2] [--rounds 5]
+                                  [--decode-len 64] [--ct-head match|auto] [--ct DIR] [--mode eager]
 """
 
 from __future__ import annotations
@@ -37,17 +38,23 @@ sys.path.insert(0, str(ROOT / "scripts"))
 BAR = 0.95  # compressed-tensors / our int8, decode tok/s
 
 
-def ct_folder(src: Path) -> Path:
-    """The package-written W8A8 folder of `src`, made once into the cache (keyed by the source's files)."""
+OURS = {"w8a8": "int8", "w4a16": "int4-g128"}
+
+
+def ct_folder(src: Path, scheme: str) -> Path:
+    """The package-written folder of `src`, made once into the cache (keyed by the source's files)."""
     from leverlab import env
-    from tests.quant.ct_writer import write_ct
+    from tests.quant.ct_writer import FORMATS, SCHEMES, write_ct
 
     stamp = "-".join(f"{f.stat().st_size}-{int(f.stat().st_mtime)}" for f in sorted(src.glob("*.safetensors")))
-    dst = env.cache_dir() / "ct" / f"{src.name}-w8a8-{hashlib.sha1(stamp.encode()).hexdigest()[:12]}"
+    dst = env.cache_dir() / "ct" / f"{src.name}-{scheme}-{hashlib.sha1(stamp.encode()).hexdigest()[:12]}"
     if not (dst / "config.json").is_file():
-        print(f"writing a W8A8 compressed-tensors checkpoint with the package into {dst}", flush=True)
+        print(f"writing a {scheme} compressed-tensors checkpoint with the package into {dst}", flush=True)
         t0 = time.perf_counter()
-        write_ct(src, dst.with_suffix(".tmp"), "w8a8")
+        spec = SCHEMES[scheme]
+        if scheme == "w4a16":  # the releases' group
+            spec = {"weights": {**spec["weights"], "group_size": 128}}
+        write_ct(src, dst.with_suffix(".tmp"), spec, FORMATS[scheme])
         dst.with_suffix(".tmp").rename(dst)
         print(f"  written in {time.perf_counter() - t0:.0f} s", flush=True)
     return dst
@@ -71,8 +78,9 @@ def decode_tok_s(llm, prompt: list[int], decode_len: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / ".cache" / "qwen3-0.6b-shape"))
-    ap.add_argument("--ct", default=None, help="a compressed-tensors W8A8 folder (default: written by the package)")
-    ap.add_argument("--ct-head", default="int8", choices=["int8", "auto"])
+    ap.add_argument("--scheme", default="w8a8", choices=list(OURS))
+    ap.add_argument("--ct", default=None, help="a compressed-tensors folder of --scheme (default: written by the package)")
+    ap.add_argument("--ct-head", default="match", choices=["match", "auto"])
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -82,17 +90,22 @@ def main() -> int:
     from make_qwen3_06b_shape import make
 
     src = Path(make(Path(args.model)))
-    ct = Path(args.ct) if args.ct else ct_folder(src)
+    ct = Path(args.ct) if args.ct else ct_folder(src, args.scheme)
+    ours_q = OURS[args.scheme]
     prompt = torch.randint(100, 1000, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     max_len = args.prompt_len + args.decode_len + 16
-    print(f"model {src}\ncompressed-tensors {ct} (head: {args.ct_head})\nmode {args.mode}, prompt "
+    print(f"model {src}\ncompressed-tensors {args.scheme} {ct} (head: {args.ct_head})\nmode {args.mode}, prompt "
           f"{args.prompt_len}, decode {args.decode_len}, {args.rounds} interleaved rounds", flush=True)
     rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
-        ours = engine(str(src), threads, args.mode, "int8", "auto", max_len)
-        theirs = engine(str(ct), threads, args.mode, None, args.ct_head, max_len)
+        ours = engine(str(src), threads, args.mode, ours_q, "auto", max_len)
+        head = ours.engine.runner.model.lm_head.quant_method
+        ct_head = (head.name if head is not None else "none") if args.ct_head == "match" else "auto"
+        theirs = engine(str(ct), threads, args.mode, None, ct_head, max_len)
         assert theirs.engine.runner.model.quant_method.name == "compressed-tensors"
-        pair = {"int8": ours, "ct-w8a8": theirs}
+        print(f"  threads {threads}: head {ct_head} on the checkpoint, "
+              f"{head.name if head is not None else 'model dtype'} on ours", flush=True)
+        pair = {ours_q: ours, f"ct-{args.scheme}": theirs}
         for llm in pair.values():  # warm-up: kernels, autotune, caches
             decode_tok_s(llm, prompt, 8)
         got: dict[str, list[float]] = {k: [] for k in pair}
@@ -101,11 +114,11 @@ def main() -> int:
                 got[name].append(decode_tok_s(pair[name], prompt, args.decode_len))
             print(f"  threads {threads} round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in got.items()),
                   flush=True)
-        med = {k: statistics.median(v) for k, v in got.items()}
-        rows.append((threads, med["int8"], med["ct-w8a8"], med["ct-w8a8"] / med["int8"]))
+        a, b = (statistics.median(v) for v in got.values())
+        rows.append((threads, a, b, b / a))
         del ours, theirs, pair
         gc.collect()
-    print("\n| threads | our int8 tok/s | compressed-tensors W8A8 tok/s | ratio | bar (>= 0.95) |")
+    print(f"\n| threads | our {ours_q} tok/s | compressed-tensors {args.scheme} tok/s | ratio | bar (>= 0.95) |")
     print("|---|---|---|---|---|")
     for threads, a, b, ratio in rows:
         print(f"| {threads} | {a:.1f} | {b:.1f} | {ratio:.3f} | {'pass' if ratio >= BAR else 'FAIL'} |")
