@@ -67,7 +67,15 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 
 def _config(arch: str, vocab_size: int, rope_scaling: dict | None = None, **overrides):
     """rope_scaling: the checkpoint's rope scaling dict (None: each arch's own, Llama 3's for llama)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
         vocab_size=vocab_size,
@@ -82,6 +90,7 @@ def _config(arch: str, vocab_size: int, rope_scaling: dict | None = None, **over
         eos_token_id=0,
         pad_token_id=0,
     )
+    common.update(MOE_OVERRIDES.get(arch, {}))
     common.update(overrides)
     if rope_scaling is not None:
         common["rope_scaling"] = dict(rope_scaling)
@@ -103,12 +112,30 @@ def _config(arch: str, vocab_size: int, rope_scaling: dict | None = None, **over
                           max_window_layers=1)
     elif arch == "llama-tied":
         cfg = LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10_000.0)
+    # Mixtures of experts: 8 experts, 2 per token (MOE_OVERRIDES may change any of it).
+    elif arch == "qwen3-moe":
+        cfg = Qwen3MoeConfig(**common, head_dim=32, rope_theta=1_000_000.0)
+    elif arch == "qwen2-moe":  # a shared expert; layer 1 dense (mlp_only_layers), at intermediate_size
+        cfg = Qwen2MoeConfig(**common, rope_theta=10_000.0)
+    elif arch == "mixtral":
+        cfg = MixtralConfig(**common, rope_theta=1_000_000.0)
     else:
         raise ValueError(arch)
     return cfg
 
 
 ARCHS = ("qwen3", "qwen2", "llama", "llama-tied")
+MOE_ARCHS = ("qwen3-moe", "qwen2-moe", "mixtral")
+# The MoE facts of each tiny MoE checkpoint (make_checkpoint's overrides win over these).
+MOE_OVERRIDES = {
+    "qwen3-moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      num_hidden_layers=3, tie_word_embeddings=False),
+    "qwen2-moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False, num_hidden_layers=3,
+                      mlp_only_layers=[1], decoder_sparse_step=1, tie_word_embeddings=False),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, num_hidden_layers=2,
+                    tie_word_embeddings=False),
+}
 
 
 def make_checkpoint(path: Path, arch: str = "qwen3", seed: int = 0, shards: bool = True, think_tags: bool = False,

@@ -74,6 +74,10 @@ def check_model(cfg, tp_size: int) -> None:
     """Refuse, with the numbers, a model whose dimensions do not split evenly over tp_size ranks."""
     if tp_size == 1:
         return
+    if cfg.is_moe:
+        raise UnsupportedLever(
+            f"--tensor-parallel-size {tp_size}: {cfg.architecture} is a mixture-of-experts model, and its experts "
+            "are not sharded across ranks yet; use --tensor-parallel-size 1 (--data-parallel-size for more cores)")
     problems = []
     if cfg.num_heads % tp_size:
         problems.append(f"num_attention_heads {cfg.num_heads} is not divisible by {tp_size}")

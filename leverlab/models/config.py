@@ -1,7 +1,7 @@
 """ModelConfig: the architecture facts our model code needs, read from a Hugging Face config.json.
 
-One decoder covers Qwen3, Qwen2/2.5 and Llama 3; they differ only in the switches below. Adding an
-architecture is adding an entry to ARCHITECTURES.
+One decoder covers Qwen3, Qwen2/2.5, Llama 3 and the mixture-of-experts Qwen3-MoE, Qwen2-MoE and Mixtral; they
+differ only in the switches below. Adding an architecture is adding an entry to ARCHITECTURES.
 """
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ ARCHITECTURES: dict[str, dict] = {
     "Qwen2ForCausalLM": {"qk_norm": False, "qkv_bias": True},
     "LlamaForCausalLM": {"qk_norm": False, "qkv_bias": None},  # None: read attention_bias
     "MistralForCausalLM": {"qk_norm": False, "qkv_bias": False},
+    # Mixture of experts (decoder.SparseMoE). "moe" names the routing: "qwen" casts the routing weights back to
+    # the model dtype before they scale an expert's output, "mixtral" keeps them in float32 (as transformers does).
+    "Qwen3MoeForCausalLM": {"qk_norm": True, "qkv_bias": False, "moe": "qwen"},
+    "Qwen2MoeForCausalLM": {"qk_norm": False, "qkv_bias": True, "moe": "qwen", "shared_expert": True},
+    "MixtralForCausalLM": {"qk_norm": False, "qkv_bias": False, "moe": "mixtral"},
 }
 
 
@@ -42,6 +47,21 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...]  # per layer: the sliding window, or None for full attention
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    # Mixture of experts (all zero / empty for a dense model). sparse_layers: per layer, whether its MLP is the
+    # routed block (Qwen2-MoE's decoder_sparse_step and mlp_only_layers leave some layers dense, at
+    # intermediate_size); moe_intermediate_size: one expert's width; shared_expert_intermediate_size: Qwen2-MoE's
+    # always-on expert (0: none), whose output a sigmoid gate scales.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
+    router_float32_weights: bool = False  # Mixtral: the routing weights scale expert outputs in float32
+    sparse_layers: tuple[bool, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.sparse_layers)
 
     @classmethod
     def from_folder(cls, path: str | Path, trust_remote_code: bool = False) -> ModelConfig:
@@ -71,7 +91,8 @@ class ModelConfig:
         qkv_bias = switches["qkv_bias"]
         if qkv_bias is None:
             qkv_bias = bool(raw.get("attention_bias", False))
-        window = raw.get("sliding_window") if raw.get("use_sliding_window", arch == "MistralForCausalLM") else None
+        mistral_like = arch in ("MistralForCausalLM", "MixtralForCausalLM")  # no use_sliding_window switch
+        window = raw.get("sliding_window") if raw.get("use_sliding_window", mistral_like) else None
         n_layers = raw["num_hidden_layers"]
         # Which layers slide: `layer_types` where the config lists them (transformers 5), else Qwen2's rule
         # (layers from max_window_layers on), else all of them (Mistral).
@@ -85,6 +106,7 @@ class ModelConfig:
         else:
             windows = (window,) * n_layers
         eos = _eos_ids(path, raw)
+        moe = _moe_facts(raw, switches, n_layers)
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -105,6 +127,7 @@ class ModelConfig:
             layer_windows=windows,
             eos_token_ids=eos,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            **moe,
         )
 
     @property
@@ -119,15 +142,59 @@ class ModelConfig:
         return rotary.default_max_len(self.rope_scaling, self.max_position_embeddings)
 
     def weight_bytes(self, bytes_per_param: float) -> int:
-        """Bytes read per decode step at batch 1: every weight once (the tied head counts once)."""
-        return int(self.num_params() * bytes_per_param)
+        """Bytes read per decode step at batch 1: every weight once (the tied head counts once); of a
+        mixture-of-experts model, the active weights only (active_params)."""
+        return int(self.num_params(active=True) * bytes_per_param)
 
-    def num_params(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+    def mlp_params(self, layer: int, active: bool = False) -> int:
+        """The matmul weights of one layer's MLP: the dense MLP, or the routed block's experts (with active, the
+        num_experts_per_tok a token reads) plus its shared expert."""
+        h = self.hidden_size
+        if not (self.sparse_layers and self.sparse_layers[layer]):
+            return 3 * h * self.intermediate_size
+        experts = self.num_experts_per_tok if active else self.num_experts
+        return 3 * h * (experts * self.moe_intermediate_size + self.shared_expert_intermediate_size)
+
+    def linear_params(self, active: bool = False) -> int:
+        """The decoder layers' matmul weights (what quantization shrinks): attention and MLPs."""
+        h = self.hidden_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        attn = h * (q + 2 * kv) + q * h
+        return sum(attn + self.mlp_params(i, active) for i in range(self.num_layers))
+
+    def num_params(self, active: bool = False) -> int:
+        """All weights; with `active`, those one token reads: of a mixture-of-experts model the shared expert and
+        num_experts_per_tok experts per sparse layer, not all of them. That is an estimate of a decode step's
+        reads at batch 1: a batch reads every expert any of its tokens chose (up to all of them), which the
+        router's measured choices will tell (a later stage counts them per step)."""
+        h, v = self.hidden_size, self.vocab_size
+        sparse = sum(self.sparse_layers)
+        router = sparse * h * (self.num_experts + (1 if self.shared_expert_intermediate_size else 0))
         emb = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + emb + h
+        return self.linear_params(active) + router + self.num_layers * 2 * h + emb + h
+
+
+def _moe_facts(raw: dict, switches: dict, n_layers: int) -> dict:
+    """The ModelConfig fields of a mixture-of-experts config.json (none for a dense model). Qwen3-MoE configs
+    written by transformers 5 name the expert count num_local_experts, as Mixtral's do; Qwen's own num_experts."""
+    routing = switches.get("moe")
+    if routing is None:
+        return {}
+    experts = raw.get("num_experts") or raw.get("num_local_experts")
+    top_k = raw.get("num_experts_per_tok")
+    if not experts or not top_k or not 0 < top_k <= experts:
+        raise ValueError(f"mixture-of-experts config with num_experts {experts!r} and num_experts_per_tok {top_k!r}")
+    if routing == "mixtral":  # every layer routed, each expert intermediate_size wide, always renormalized
+        return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["intermediate_size"],
+                    norm_topk_prob=True, router_float32_weights=True, sparse_layers=(True,) * n_layers)
+    step = raw.get("decoder_sparse_step", 1) or 1
+    dense = set(raw.get("mlp_only_layers") or [])
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["moe_intermediate_size"],
+                # Qwen2-MoE always has one (transformers' default width 5632); Qwen3-MoE never.
+                shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 5632)
+                if switches.get("shared_expert") else 0,
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)), sparse_layers=sparse)
 
 
 def read_rope(raw: dict, head_dim: int, max_positions: int) -> tuple[float, dict | None]:

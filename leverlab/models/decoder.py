@@ -1,4 +1,5 @@
-"""One plain-torch decoder for Qwen3, Qwen2/2.5 and Llama 3 (switches in ModelConfig).
+"""One plain-torch decoder for Qwen3, Qwen2/2.5, Llama 3 and their mixture-of-experts kin (switches in ModelConfig;
+the routed MLP block is models/moe.py).
 
 Parameter names follow Hugging Face's (model.layers.N.self_attn..., lm_head) except that q/k/v and
 gate/up are packed into one matrix each: one matmul instead of three (or two) per layer.
@@ -24,6 +25,7 @@ from leverlab.layers.parallel import (
 )
 from leverlab.layers.rotary import Rotary
 from leverlab.models.config import ModelConfig
+from leverlab.models.moe import Router, SparseMoE
 
 
 class Attention(nn.Module):
@@ -52,10 +54,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The gated MLP: a dense layer's, one expert's, or Qwen2-MoE's shared expert's (`intermediate` wide)."""
+
+    def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_up_proj = column_linear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size})
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up_proj = column_linear(hidden, {"gate": intermediate, "up": intermediate})
+        self.down_proj = RowParallelLinear(intermediate, hidden)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -68,11 +72,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, rotary, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = sparse_moe(cfg) if cfg.sparse_layers and cfg.sparse_layers[layer] else MLP(
+            cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, positions, x):
         x = x + self.self_attn(positions, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def sparse_moe(cfg: ModelConfig) -> SparseMoE:
+    h = cfg.hidden_size
+    router = Router(h, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.router_float32_weights)
+    shared = MLP(h, cfg.shared_expert_intermediate_size) if cfg.shared_expert_intermediate_size else None
+    return SparseMoE(router, [MLP(h, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)], shared)
 
 
 class Backbone(nn.Module):

@@ -74,6 +74,8 @@ def _build(model: CausalLM, kv_caches, kv_cache_dtype: str, tp_size: int, kv_sca
     if kern is None:
         raise _NotFused("the C++ kernels are not built here")
     cfg = model.config
+    if cfg.is_moe:  # the C++ step computes a dense MLP per layer; MoE layers keep the module path (models/moe.py)
+        raise _NotFused("a mixture-of-experts model (the fused step has no routed MLP yet)")
     dtype = model.model.embed_tokens.weight.dtype  # the C++ side runs every float tensor in this one dtype
     layers, kinds, windows = [], [], []
     quantized = []  # (layer index, linear index in the C++ order, layer) of every quantized linear

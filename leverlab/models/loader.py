@@ -146,8 +146,49 @@ def load_weights(model: CausalLM, path: Path) -> None:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} weights, e.g. {missing[:3]}")
 
 
+# Mixtral's names for an expert's projections (w1 gate, w3 up, w2 down) and its MoE block.
+MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# Expert weights stacked into 3D tensors, as transformers 5 holds them in memory (and some checkpoints store them):
+# gate_up_proj [E, 2 * I, H] (gate rows first), down_proj [E, H, I]. Published Qwen3-MoE and Mixtral checkpoints,
+# and transformers' save_pretrained, write one tensor per expert instead (experts.{e}.gate_proj.weight); both load.
+STACKED_EXPERTS = ("gate_up_proj", "down_proj")
+
+
+def _our_name(name: str) -> str:
+    """A checkpoint tensor's name in Hugging Face's Qwen/Llama vocabulary (Mixtral's renamed)."""
+    if ".block_sparse_moe." not in name:
+        return name
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    head, sep, tail = name.partition(".experts.")
+    if sep:
+        index, _, rest = tail.partition(".")
+        proj, _, kind = rest.partition(".")
+        name = f"{head}.experts.{index}.{MIXTRAL_NAMES.get(proj, proj)}.{kind}"
+    return name
+
+
+def _load_stacked(modules, experts_name: str, which: str, tensor: torch.Tensor, loaded: set[str]) -> None:
+    """Split a stacked expert tensor into the experts' Linear layers, one slice each (views, no copy)."""
+    experts = modules[experts_name]
+    if tensor.dim() != 3 or tensor.shape[0] != len(experts):
+        raise ValueError(f"stacked expert tensor {experts_name}.{which} has shape {tuple(tensor.shape)}; expected "
+                         f"[{len(experts)}, out, in]")
+    for e, expert in enumerate(experts):
+        if which == "gate_up_proj":
+            gate, up = tensor[e].chunk(2, dim=0)
+            expert.gate_up_proj.load("weight", gate, "gate")
+            expert.gate_up_proj.load("weight", up, "up")
+        else:
+            expert.down_proj.load("weight", tensor[e])
+        loaded.add(f"{experts_name}.{e}.{which}.weight")
+
+
 def _load_one(model, modules, params, name: str, tensor: torch.Tensor, loaded: set[str]) -> None:
+    name = _our_name(name)
     module_name, _, kind = name.rpartition(".")
+    if kind in STACKED_EXPERTS and module_name.endswith(".experts") and isinstance(modules.get(module_name), nn.ModuleList):
+        _load_stacked(modules, module_name, kind, tensor, loaded)
+        return
     parent, _, leaf = module_name.rpartition(".")
     if leaf in CausalLM.PACKED:
         target, shard = CausalLM.PACKED[leaf]

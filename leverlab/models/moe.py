@@ -1,0 +1,94 @@
+"""The mixture-of-experts block: a router picks num_experts_per_tok experts per token, their gated MLPs run on it,
+and their outputs add up weighted by the router's probabilities (Qwen3-MoE, Qwen2-MoE with its shared expert,
+Mixtral).
+
+Compute is grouped by expert, not by token: the (token, expert) pairs of a step (a decode batch, a prefill chunk,
+a verification batch) are sorted by expert, and each expert that any token chose runs one matmul over all its
+tokens. An expert chosen by several sequences of a decode batch is read once per step, and a prefill chunk runs a
+GEMM per hit expert instead of a matmul per token. The Python loop is over the hit experts (at most num_experts),
+never over tokens.
+
+Each expert is an ordinary gated MLP of our Linear layers (decoder.MLP), so every quantization method (int8, int4,
+...) quantizes it per expert with the kernels a dense layer uses, and the loader reads Hugging Face's per-expert
+tensors into it without a copy. A fused decode kernel (a later stage) can take the experts' weights the way
+models/fused.py takes a dense layer's, one (kind, weight, scale) per expert.
+
+The routing math is transformers' op for op: router logits in the model dtype, softmax in float32, torch.topk
+(ties resolve as it resolves them there), optional renormalization, the weights cast back to the model dtype
+(Qwen) or kept in float32 (Mixtral) before they scale each expert's output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Router(nn.Module):
+    """The gate: a [num_experts, hidden] matrix, kept in the model dtype (no quantization method touches it:
+    routing decisions stay those of the checkpoint's weights)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool, float32_weights: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+        self.top_k, self.renormalize, self.float32_weights = top_k, renormalize, float32_weights
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (routing weights [T, k], chosen experts [T, k] int64)."""
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.float32_weights:
+            weights = weights.to(logits.dtype)
+        return weights, experts
+
+
+class SparseMoE(nn.Module):
+    """`experts`: one gated MLP module per expert ([n, H] -> [n, H]). `shared_expert` (Qwen2-MoE): an MLP every token
+    runs, its output scaled by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, router: Router, experts: list[nn.Module], shared_expert: nn.Module | None = None):
+        super().__init__()
+        self.gate = router
+        self.experts = nn.ModuleList(experts)
+        self.shared_expert = shared_expert
+        hidden = router.weight.shape[1]
+        self.shared_expert_gate = None
+        if shared_expert is not None:
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+            self.shared_expert_gate.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.gate(x)
+        out = expert_outputs(x, weights, chosen, self.experts)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def group_by_expert(chosen: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int], list[int]]:
+    """chosen [T, k] -> (order [T * k]: the flat (token, slot) pairs sorted by expert, stably, so that an expert's
+    tokens keep their order; the hit experts in increasing order; how many pairs each of them has). One host sync
+    (the counts), whatever the batch."""
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    hit = counts.nonzero().flatten()
+    return order, hit.tolist(), counts[hit].tolist()
+
+
+def expert_outputs(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+    """sum over each token's chosen experts of weight * expert(x), computed expert by expert."""
+    order, hit, sizes = group_by_expert(chosen, len(experts))
+    if not hit:  # no tokens
+        return torch.zeros_like(x)
+    token = order // chosen.shape[1]
+    rows = x.index_select(0, token)  # [T * k, H], grouped by expert
+    y = torch.cat([experts[e](part) for e, part in zip(hit, rows.split(sizes))])
+    # The product in the weights' dtype, then the model's (transformers: per expert, before its index_add_).
+    y = (y * weights.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
+    # Each token's contributions are added in increasing expert order, as transformers adds them.
+    return torch.zeros_like(x).index_add_(0, token, y)
