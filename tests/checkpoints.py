@@ -131,9 +131,9 @@ MOE_OVERRIDES = {
     "qwen3-moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       num_hidden_layers=3, tie_word_embeddings=False),
     "qwen2-moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=48, norm_topk_prob=False, num_hidden_layers=3,
+                      shared_expert_intermediate_size=64, norm_topk_prob=False, num_hidden_layers=3,
                       mlp_only_layers=[1], decoder_sparse_step=1, tie_word_embeddings=False),
-    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, num_hidden_layers=2,
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, num_hidden_layers=2,
                     tie_word_embeddings=False),
 }
 
