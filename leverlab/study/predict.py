@@ -56,11 +56,12 @@ class ModelFacts:
         from leverlab.models.config import ModelConfig
 
         c = ModelConfig.from_folder(path)
-        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        linear = c.num_layers * (
-            c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-        )
-        return cls(linear, c.num_params() - linear, c.num_layers, c.num_kv_heads, c.head_dim,
+        # A mixture-of-experts model's pass reads the weights its tokens route to, not all of them: the active
+        # count (shared expert + top-k experts per sparse layer + attention + embeddings) is the estimate at one
+        # sequence. A batch's tokens pick more distinct experts; the router's measured choices per step (a later
+        # stage: a server metric) will replace this estimate there.
+        linear = c.linear_params(active=True)
+        return cls(linear, c.num_params(active=True) - linear, c.num_layers, c.num_kv_heads, c.head_dim,
                    c.vocab_size * c.hidden_size)
 
     @property

@@ -86,6 +86,17 @@ def test_model_facts_from_a_checkpoint(checkpoint_factory):
     assert f.linear_params > 0 and f.other_params > 0
 
 
+def test_model_facts_of_a_mixture_of_experts_count_the_active_experts(checkpoint_factory):
+    from leverlab.models.config import ModelConfig
+
+    c = ModelConfig.from_folder(checkpoint_factory("qwen3-moe"))  # 3 sparse layers, 8 experts, 2 per token
+    f = ModelFacts.from_folder(checkpoint_factory("qwen3-moe"))
+    h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 2 * 3 * h * c.moe_intermediate_size  # attention + two experts
+    assert f.linear_params == c.num_layers * per_layer
+    assert f.num_params == c.num_params(active=True) < c.num_params()
+
+
 def test_load_prediction_is_a_ratio_of_tokens_per_byte_at_the_batch():
     configs = [
         {"name": "base", "parent": None, "levers": Levers(), "measured_rps_load": 1.0},
