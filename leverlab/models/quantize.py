@@ -51,9 +51,17 @@ def make_method(method: str, group_size: int | None):
     return AWQMethod(group_size or (64 if method == "int4" else 128))
 
 
+# Mixtral's expert projections (w1 gate, w3 up, w2 down): quantized as the other architectures' gate/up/down.
+MIXTRAL_EXPERT_PROJECTIONS = ("w1", "w2", "w3")
+# Expert weights stacked per layer into one 3D tensor (models/loader.py: STACKED_EXPERTS).
+STACKED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
 def is_quantized_weight(name: str) -> bool:
     module, _, kind = name.rpartition(".")
-    return kind == "weight" and module.startswith("model.layers.") and module.rpartition(".")[2] in QUANTIZED_PROJECTIONS
+    leaf = module.rpartition(".")[2]
+    return kind == "weight" and module.startswith("model.layers.") and (
+        leaf in QUANTIZED_PROJECTIONS or (leaf in MIXTRAL_EXPERT_PROJECTIONS and ".experts." in module))
 
 
 def quantize_folder(src: str | Path, dst: str | Path, method: str, group_size: int | None = None,
@@ -66,13 +74,19 @@ def quantize_folder(src: str | Path, dst: str | Path, method: str, group_size: i
     cfg = json.loads((src / "config.json").read_text())
     if cfg.get("quantization_config"):
         raise ValueError(f"{src} is already quantized ({cfg['quantization_config'].get('quant_method')})")
+    files = checkpoint_files(src)
+    for file in files:  # before anything is written
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            stacked = [n for n in f.keys() if n.endswith(STACKED_EXPERTS)]
+        if stacked:  # written as float they would not load beside quantized experts
+            raise ValueError(f"{src}: {stacked[0]} holds all experts in one stacked tensor, which `leverlab "
+                             "quantize` does not split; quantize at load time instead (--quantization)")
     if dst.exists():
         if not overwrite:
             raise FileExistsError(f"{dst} exists; pass --overwrite to replace it")
         shutil.rmtree(dst)
     dst.mkdir(parents=True)
     qm = make_method(method, group_size)
-    files = checkpoint_files(src)
     weight_map = {}
     for file in files:
         out = {}

@@ -186,6 +186,22 @@ def test_mixtral_int4_and_bf16_int8_generate(checkpoint_factory):
         assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in out)
 
 
+@pytest.mark.parametrize("arch,method,load_time", [("qwen2-moe", "int8", "int8"), ("mixtral", "int4", "int4")])
+def test_quantize_cli_quantizes_every_expert(checkpoint_factory, tmp_path, arch, method, load_time):
+    """`leverlab quantize` writes each expert's projections quantized (Mixtral's w1/w2/w3 too); the folder loads
+    without re-quantizing and generates what quantizing at load time generates."""
+    from leverlab.models.quantize import quantize_folder
+
+    src = checkpoint_factory(arch)
+    dst = quantize_folder(src, tmp_path / method, method)
+    with safe_open(str(checkpoint_files(dst)[0]), framework="pt") as f:
+        names = list(f.keys())
+    assert not [n for n in names if ".experts." in n and n.endswith(".weight")], "an expert stayed float"
+    pre = LLM(str(dst), dtype="float32")
+    assert tokens(pre.generate(PROMPTS, GREEDY)) == tokens(
+        LLM(src, dtype="float32", quantization=load_time).generate(PROMPTS, GREEDY))
+
+
 def test_bfloat16_close_to_transformers(checkpoint_factory):
     """bf16 rounds differently here and in transformers, and a router whose two best experts are nearly tied can
     pick differently: the routes must agree on nearly every (token, layer), and the logits be close at every
@@ -310,3 +326,14 @@ def test_forced_tie_in_a_model_matches_transformers(checkpoint_factory, tmp_path
 def test_tensor_parallel_refuses_moe_before_starting_ranks(checkpoint_factory):
     with pytest.raises(UnsupportedLever, match="mixture-of-experts"):
         LLM(checkpoint_factory("qwen3-moe"), dtype="float32", tensor_parallel_size=2)
+
+
+def test_quantize_cli_refuses_stacked_experts(checkpoint_factory, tmp_path):
+    from pathlib import Path
+
+    from leverlab.models.quantize import quantize_folder
+
+    stacked = _stack_experts(Path(checkpoint_factory("qwen3-moe")), tmp_path / "stacked")
+    with pytest.raises(ValueError, match="stacked tensor"):
+        quantize_folder(stacked, tmp_path / "q", "int8")
+    assert not (tmp_path / "q").exists()
