@@ -80,6 +80,10 @@ def group_by_expert(chosen: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     return order, hit.tolist(), counts[hit].tolist()
 
 
+# Eager under --execution-mode compiled: the loop's length is the number of experts a step hit, which Dynamo would
+# guard on and recompile for at every new count (hitting its recompile limit within a few steps); the router and
+# the rest of the layer stay in the graph.
+@torch.compiler.disable
 def expert_outputs(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
     """sum over each token's chosen experts of weight * expert(x), computed expert by expert."""
     order, hit, sizes = group_by_expert(chosen, len(experts))

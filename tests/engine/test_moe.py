@@ -16,7 +16,7 @@ from leverlab.layers.linear import Linear
 from leverlab.models.config import ModelConfig
 from leverlab.models.loader import checkpoint_files, load_model
 from leverlab.models.moe import Router, SparseMoE
-from tests.checkpoints import MOE_ARCHS
+from tests.checkpoints import MOE_ARCHS, make_eagle_head
 from tests.quant.formats import write_float
 from tests.quant.test_engine import fake_quant_weights
 
@@ -145,8 +145,9 @@ def test_prefix_cache_hits_change_no_token(checkpoint_factory):
     assert_all_free(warm)
 
 
-@pytest.mark.parametrize("arch,method", [("qwen3-moe", "ngram"), ("mixtral", "ngram"), ("qwen2-moe", "draft_model")])
-def test_speculation_changes_no_token(checkpoint_factory, arch, method):
+@pytest.mark.parametrize("arch,method", [("qwen3-moe", "ngram"), ("mixtral", "ngram"), ("qwen2-moe", "draft_model"),
+                                         ("qwen3-moe", "eagle")])
+def test_speculation_changes_no_token(checkpoint_factory, tmp_path, arch, method):
     """Verification batches route their tokens like any other step: drafts checked by the MoE target give the
     plain decode's tokens."""
     path = checkpoint_factory(arch)
@@ -154,12 +155,16 @@ def test_speculation_changes_no_token(checkpoint_factory, arch, method):
     plain = tokens(LLM(path, dtype="float32").generate(prompts, GREEDY))
     if method == "ngram":
         sc = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    elif method == "eagle":  # a random head over the MoE target's aux layers: drafts mostly rejected
+        sc = {"method": "eagle", "model": make_eagle_head(path, tmp_path / "eagle"), "num_speculative_tokens": 3}
     else:  # the target as its own draft: every draft is accepted, so verification spans whole drafts
         sc = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
     spec = LLM(path, dtype="float32", speculative_config=sc)
     assert tokens(spec.generate(prompts, GREEDY)) == plain
     c = spec.engine.counter_snapshot()
-    assert c["spec_draft_tokens"] > 0 and c["spec_accepted_tokens"] > 0, "the test should exercise acceptance"
+    assert c["spec_draft_tokens"] > 0
+    if method != "eagle":  # a random EAGLE head's drafts are all rejected here: it exercises rollback instead
+        assert c["spec_accepted_tokens"] > 0, "the test should exercise acceptance"
     assert_all_free(spec)
 
 
@@ -181,7 +186,8 @@ def test_quantized_experts_generate_like_their_dequantized_model(checkpoint_fact
 
 def test_mixtral_int4_and_bf16_int8_generate(checkpoint_factory):
     path = checkpoint_factory("mixtral")
-    for kw in ({"dtype": "float32", "quantization": "int4"}, {"dtype": "bfloat16", "quantization": "int8"}):
+    for kw in ({"dtype": "float32", "quantization": "int4"}, {"dtype": "bfloat16", "quantization": "int8"},
+               {"dtype": "bfloat16", "quantization": "int4", "kv_cache_dtype": "int8"}):
         out = LLM(path, **kw).generate(PROMPTS[:2], GREEDY)
         assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in out)
 
@@ -321,6 +327,15 @@ def test_forced_tie_in_a_model_matches_transformers(checkpoint_factory, tmp_path
     for prompt, o in zip(PROMPTS[:2], out):
         assert o.outputs[0].token_ids == ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
                                                       eos_token_id=None, min_new_tokens=24)[0, len(prompt):].tolist()
+
+
+@pytest.mark.slow
+def test_compiled_equals_eager(checkpoint_factory, tmp_path, monkeypatch):
+    """The compiled path runs the expert loop eagerly (moe.expert_outputs), the rest in the graph."""
+    monkeypatch.setenv("LEVERLAB_CACHE", str(tmp_path))
+    path = checkpoint_factory("qwen3-moe")
+    eager = tokens(LLM(path, dtype="float32").generate(PROMPTS[:3], GREEDY))
+    assert tokens(LLM(path, dtype="float32", execution_mode="compiled").generate(PROMPTS[:3], GREEDY)) == eager
 
 
 def test_tensor_parallel_refuses_moe_before_starting_ranks(checkpoint_factory):
