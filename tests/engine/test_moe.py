@@ -230,6 +230,24 @@ def test_bfloat16_close_to_transformers(checkpoint_factory):
     assert (got[:first] - expected[:first]).abs().max() < 0.1
 
 
+def test_each_hit_expert_runs_once_per_step_over_all_its_tokens(checkpoint_factory):
+    """Grouped by expert: in one forward of 16 tokens (a decode batch of 16 sequences looks the same to the MoE
+    block), every expert any token chose is called once, on exactly the tokens that chose it, in their order."""
+    model = load_model(checkpoint_factory("qwen3-moe"), "float32")
+    moe = model.model.layers[0].mlp
+    calls = []
+    for e, expert in enumerate(moe.experts):
+        expert.register_forward_hook(lambda m, i, o, e=e: calls.append((e, i[0].clone())))
+    x = torch.randn(16, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, chosen = moe.gate(x)
+        moe(x)
+    hit = sorted(set(chosen.flatten().tolist()))
+    assert [e for e, _ in calls] == hit  # once each, in expert order
+    for e, rows in calls:
+        assert torch.equal(rows, x[(chosen == e).any(-1)])
+
+
 def _stack_experts(src, dst):
     """A copy of `src` whose experts are stored as transformers 5 holds them in memory: per layer one
     gate_up_proj [E, 2I, H] and one down_proj [E, H, I]."""
