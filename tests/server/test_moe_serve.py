@@ -1,0 +1,43 @@
+"""An MoE checkpoint served over HTTP through the official client, and --tensor-parallel-size refused for it at
+start with a message (exit 2, no traceback) instead of a crash in a rank."""
+
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from tests.server.conftest import ROOT, ServerProcess, free_port
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(checkpoint_factory):
+    return checkpoint_factory("qwen3-moe")
+
+
+def test_moe_model_served(moe_checkpoint, tmp_path):
+    server = ServerProcess(moe_checkpoint, log_path=tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.completions.create(model=client.models.list().data[0].id, prompt="def f(x):", max_tokens=8,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 8
+        chat = client.chat.completions.create(model=r.model, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=4, temperature=0)
+        assert chat.usage.completion_tokens >= 1
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_tensor_parallel_refused_for_moe(moe_checkpoint):
+    cmd = [sys.executable, "-m", "leverlab.cli", "serve", str(moe_checkpoint), "--port", str(free_port()),
+           "--tensor-parallel-size", "2"]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        pytest.fail("--tensor-parallel-size 2 on an MoE model was not refused: the server started")
+    assert p.returncode == 2, err
+    assert "mixture-of-experts" in err and "Traceback" not in err, err
