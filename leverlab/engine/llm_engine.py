@@ -102,10 +102,14 @@ class LLMEngine:
         # Proposing, verification, the gate and speculation's counters (speculative/decoder.py); samples plain steps too.
         self.spec = SpecDecoder(self.spec_config, config, self.runner, self.model_config.vocab_size,
                                 self.eos_token_ids, self.max_model_len)
+        mc = self.model_config
+        params = f"{mc.num_params() / 1e6:.1f}M params" + (
+            f", {mc.num_params(active=True) / 1e6:.1f}M active: {mc.num_experts_per_tok} of {mc.num_experts} experts"
+            if mc.is_moe else "")
         log.info(
-            "model %s (%s, %.1fM params) dtype=%s device=%s mode=%s; KV cache: %d blocks x %d tokens "
+            "model %s (%s, %s) dtype=%s device=%s mode=%s; KV cache: %d blocks x %d tokens "
             "(%.0f MiB), max_model_len=%d, fits %d sequences of full length",
-            path, self.model_config.architecture, self.model_config.num_params() / 1e6, config.dtype,
+            path, mc.architecture, params, config.dtype,
             self.runner.device, config.execution_mode, self.runner.num_blocks, config.block_size,
             capacity * self.runner.kv_bytes_per_token() / 2**20, max_len, capacity // max_len,
         )
