@@ -6,7 +6,8 @@ Each expert's projections are our Linear layers (models/moe.py), so a Qwen3-30B-
   many   tiny matrices, many layers and experts (default 48 layers x 128 experts, hidden and width 64): the cost per layer
          object (building it, attaching its method, loading and converting its tensors, the load-time tuning);
   shape  the real Qwen3-30B-A3B expert shape (hidden 2048, 128 experts of width 768, 8 active) in 1 layer: the
-         cost per byte of the expert weights, and a decode rate through the grouped experts.
+         cost per byte of the expert weights, and greedy decode rates (16-token prompts, 32 new tokens) of one
+         stream and of 16 sequences at once (aggregate), through the module path's grouped experts.
 Weights are random bf16, written here straight to safetensors (per-expert names, as published checkpoints have).
 
     python scripts/bench_moe_load.py [--out /tmp/moe-load] [--layers 48] [--experts 128]
@@ -91,9 +92,12 @@ def time_loads(path: Path, label: str, decode: bool) -> None:
             llm = LLM(str(path), dtype="bfloat16", quantization=quant)
             params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
             llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm
-            t0 = time.perf_counter()
-            llm.generate([list(range(5, 21))], params)
-            line += f"  decode {params.max_tokens / (time.perf_counter() - t0):.1f} tok/s (16-token prompt + 32)"
+            for n in (1, 16):  # one stream, then 16 sequences whose tokens share the hit experts' reads
+                prompts = [list(range(5 + i, 21 + i)) for i in range(n)]
+                llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm
+                t0 = time.perf_counter()
+                llm.generate(prompts, params)
+                line += f"  x{n} {n * params.max_tokens / (time.perf_counter() - t0):.1f} tok/s"
             del llm
         print(line, flush=True)
 
