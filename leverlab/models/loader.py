@@ -168,7 +168,8 @@ def _our_name(name: str) -> str:
 
 
 def _load_stacked(modules, experts_name: str, which: str, tensor: torch.Tensor, loaded: set[str]) -> None:
-    """Split a stacked expert tensor into the experts' Linear layers, one slice each (views, no copy)."""
+    """Split a stacked expert tensor into the experts' Linear layers: each expert's slice (a view) is loaded as its
+    per-expert tensor would be."""
     experts = modules[experts_name]
     if tensor.dim() != 3 or tensor.shape[0] != len(experts):
         raise ValueError(f"stacked expert tensor {experts_name}.{which} has shape {tuple(tensor.shape)}; expected "
