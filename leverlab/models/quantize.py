@@ -76,7 +76,7 @@ def quantize_folder(src: str | Path, dst: str | Path, method: str, group_size: i
         raise ValueError(f"{src} is already quantized ({cfg['quantization_config'].get('quant_method')})")
     files = checkpoint_files(src)
     for file in files:  # before anything is written
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with open_checkpoint(file) as f:
             stacked = [n for n in f.keys() if n.endswith(STACKED_EXPERTS)]
         if stacked:  # written as float they would not load beside quantized experts
             raise ValueError(f"{src}: {stacked[0]} holds all experts in one stacked tensor, which `leverlab "
