@@ -13,7 +13,7 @@ from leverlab.errors import LeverLabError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompts", nargs="*", help="prompts (default: read one from stdin)")
-    p.add_argument("--model", default="", help="Hugging Face model folder or Hub id (default: the bundled model)")
+    p.add_argument("--model", default="", help="Hugging Face model folder, Hub id or GGUF file (default: the bundled model)")
     add_engine_arguments(p)
     s = p.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=64)

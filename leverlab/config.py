@@ -22,7 +22,7 @@ def default_model_path() -> Path:
 class EngineConfig:
     model: str = ""  # a folder, or a Hugging Face Hub id (resolve_models turns it into the cached snapshot)
     revision: str | None = None  # the Hub id's branch, tag or commit (None: main)
-    tokenizer: str | None = None  # a folder or Hub id; None: the model's own
+    tokenizer: str | None = None  # a folder or Hub id; None: the model's own (a GGUF file's: from its metadata)
     tokenizer_revision: str | None = None
     model_id: str | None = None  # the Hub id `model` was resolved from (the default served name); set by resolve_models
     # vLLM's switch to run a repository's own model code. We never do: True is accepted for an architecture we

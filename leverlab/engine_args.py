@@ -39,7 +39,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine levers (named as in vLLM; unset = the engine's default)")
     g.add_argument("--revision", default=None,
                    help="with a Hugging Face Hub id as the model: its branch, tag or commit (default: main)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id (default: the model's own)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id (default: the model's own; a GGUF file's from its metadata)")
     g.add_argument("--tokenizer-revision", default=None, help="with a Hub id as --tokenizer: its branch, tag or commit")
     g.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="accepted for the architectures LeverLab implements (its own code runs); no model code "

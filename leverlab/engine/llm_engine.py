@@ -8,7 +8,6 @@ import logging
 import time
 
 import torch
-from transformers import AutoTokenizer
 
 from leverlab import env
 from leverlab.config import EngineConfig, default_model_path
@@ -20,6 +19,7 @@ from leverlab.engine.detokenizer import Detokenizer, find_stop
 from leverlab.engine.request import Request
 from leverlab.errors import RequestError
 from leverlab.models.config import ModelConfig
+from leverlab.models.tokenizer import load_tokenizer
 from leverlab.outputs import RequestMetrics, RequestOutput
 from leverlab.sampling_params import SamplingParams
 from leverlab.speculative.decoder import SpecDecoder
@@ -62,7 +62,7 @@ class LLMEngine:
         local_ranks = rdv.per_node if rdv is not None else 1
         threads = config.num_threads or max(1, env.default_threads(self.model_config, config.dtype) // local_ranks)
         torch.set_num_threads(threads)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
+        self.tokenizer = load_tokenizer(path, config.tokenizer)
         max_len = config.max_model_len or self.model_config.default_max_len
         if max_len > self.model_config.max_context:
             mc = self.model_config

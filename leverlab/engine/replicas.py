@@ -39,6 +39,7 @@ from leverlab.engine.replica import ReplicaArgs, replica_main
 from leverlab.engine.router import Router, RouterConfig
 from leverlab.errors import EngineDeadError, EngineOverloaded, RequestError, UnsupportedLever
 from leverlab.models.config import ModelConfig
+from leverlab.models.tokenizer import load_tokenizer
 from leverlab.outputs import RequestOutput
 from leverlab.sampling_params import SamplingParams
 
@@ -85,8 +86,6 @@ class ReplicaSet:
     """An EngineClient (client.py) over N replica processes; also the engine of LLM(data_parallel_size=N)."""
 
     def __init__(self, config: EngineConfig, served_model_name: str | None = None):
-        from transformers import AutoTokenizer
-
         if config.data_parallel_size < 2:
             raise ValueError("ReplicaSet is for data_parallel_size >= 2; one replica is AsyncLLM / LLMEngine")
         if (config.nnodes or 1) > 1:
@@ -95,7 +94,7 @@ class ReplicaSet:
         self.config = config.resolve_models()  # a Hub id becomes its cached folder (hub.py)
         path = str(config.model or default_model_path())
         self.model_config = ModelConfig.from_folder(path, config.trust_remote_code)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
+        self.tokenizer = load_tokenizer(path, config.tokenizer)
         self.vocab_size = self.model_config.vocab_size
         self.model_name = served_model_name or config.model_id or path.rstrip("/").split("/")[-1]
         self.per_replica_seqs = config.max_num_seqs + config.max_waiting

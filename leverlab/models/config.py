@@ -1,4 +1,5 @@
-"""ModelConfig: the architecture facts our model code needs, read from a Hugging Face config.json.
+"""ModelConfig: the architecture facts our model code needs, read from a Hugging Face config.json (or from a GGUF
+file's metadata, gguf_file.py, which gives the same keys).
 
 One decoder covers Qwen3, Qwen2/2.5, Llama 3 and the mixture-of-experts Qwen3-MoE, Qwen2-MoE and Mixtral; they
 differ only in the switches below. Adding an architecture is adding an entry to ARCHITECTURES.
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from leverlab.layers import rotary
+from leverlab.models import gguf_file
 
 # HF architecture name -> the switches that tell its decoder apart.
 ARCHITECTURES: dict[str, dict] = {
@@ -68,10 +70,15 @@ class ModelConfig:
         """trust_remote_code (vLLM's switch) changes nothing but the reason given for an architecture we do not
         implement: our own code is all that ever runs, never a repository's."""
         path = Path(path)
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
-        raw = json.loads(cfg_file.read_text())
+        if gguf_file.is_gguf(path):
+            cfg_file, raw = path, gguf_file.hf_config(path)
+            eos = tuple(raw.pop("eos_token_id"))
+        else:
+            cfg_file = path / "config.json"
+            if not cfg_file.is_file():
+                raise FileNotFoundError(f"{path} is not a model folder (it has no config.json) nor a GGUF file")
+            raw = json.loads(cfg_file.read_text())
+            eos = _eos_ids(path, raw)
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
@@ -105,7 +112,6 @@ class ModelConfig:
             windows = tuple(window if i >= raw["max_window_layers"] else None for i in range(n_layers))
         else:
             windows = (window,) * n_layers
-        eos = _eos_ids(path, raw)
         moe = _moe_facts(raw, switches, n_layers)
         return cls(
             architecture=arch,

@@ -1,5 +1,6 @@
 """Load a Hugging Face folder into our CausalLM: config.json + one or many *.safetensors (memory-mapped), or
-PyTorch's pytorch_model*.bin where a folder has no safetensors (read with weights_only, memory-mapped too)."""
+PyTorch's pytorch_model*.bin where a folder has no safetensors (read with weights_only, memory-mapped too); or a
+GGUF file, whose config and tensors gguf_file.py / gguf_loader.py read into the same names."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from leverlab.kernels import huge_pages
 from leverlab.layers import prefetch_tune
 from leverlab.layers.linear import Linear
 from leverlab.layers.parallel import VocabParallelEmbedding
+from leverlab.models import gguf_file, gguf_loader
 from leverlab.models.config import ModelConfig
 from leverlab.models.decoder import CausalLM
 from leverlab.quant import autotune
@@ -109,7 +111,7 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.de
             raise
         name = method.name if method is not None else head.name
         raise UnsupportedLever(f"--tensor-parallel-size {tp_size} with {name}, on each rank's slice: {e}") from e
-    load_weights(model, path)
+    load_weights(model, path, method, head)
     finish_quantization(quantized)
     if torch.device(device).type == "cpu":
         huge_pages.move_to_huge_pages(model)  # before anything times the weights or keeps pointers to them
@@ -124,26 +126,35 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.de
 
 
 def resolve_quant_method(path: Path, quantization: str | None):
+    if gguf_file.is_gguf(path):
+        return gguf_loader.quant_method(path, quantization)
     qcfg = json.loads((path / "config.json").read_text()).get("quantization_config")
     return quant_method_for_checkpoint(qcfg, quantization) if qcfg else get_quant_method(quantization)
 
 
-def load_weights(model: CausalLM, path: Path) -> None:
+def load_weights(model: CausalLM, path: Path, method: QuantMethod | None = None, head: QuantMethod | None = None) -> None:
+    """`method`, `head`: the quantization methods attached (a GGUF file hands its projections over in their form)."""
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    named = gguf_loader.tensors(path, model.config, method, head) if gguf_file.is_gguf(path) else _checkpoint_tensors(path)
+    for name, tensor in named:
+        if "rotary_emb" in name:
+            continue
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        _load_one(model, modules, params, name, tensor, loaded)
+    missing = [n for n in params if n not in loaded and not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def _checkpoint_tensors(path: Path):
     for file in checkpoint_files(path):
         # The file is mapped; each tensor is read once and copied into its (converted) parameter.
         with open_checkpoint(file) as f:
             for name in f.keys():
-                if "rotary_emb" in name:
-                    continue
-                if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                    continue
-                _load_one(model, modules, params, name, f.get_tensor(name), loaded)
-    missing = [n for n in params if n not in loaded and not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks {len(missing)} weights, e.g. {missing[:3]}")
+                yield name, f.get_tensor(name)
 
 
 # Mixtral's names for an expert's projections (w1 gate, w3 up, w2 down) and its MoE block.
@@ -245,9 +256,13 @@ def load_embedding_and_lm_head(path, dtype, device) -> tuple[torch.Tensor, torch
     """The target's full embedding table and output head [V, H] from its checkpoint (tied: one tensor)."""
     path = Path(path)
     found: dict[str, torch.Tensor] = {}
-    for file in checkpoint_files(path):
+    wanted = ("model.embed_tokens.weight", "lm_head.weight")
+    if gguf_file.is_gguf(path):
+        for name, tensor in gguf_loader.tensors(path, ModelConfig.from_folder(path), None, only=wanted):
+            found[name] = tensor.to(device=device, dtype=dtype)
+    for file in [] if gguf_file.is_gguf(path) else checkpoint_files(path):
         with open_checkpoint(file) as f:
-            for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            for name in wanted:
                 if name in f.keys():
                     found[name] = f.get_tensor(name).to(device=device, dtype=dtype)
     embed = found["model.embed_tokens.weight"]

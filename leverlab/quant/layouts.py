@@ -329,3 +329,34 @@ def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     """int32 [r/8, c] -> uint8 [r, c], nibble j of packed[r] being row 8r + j."""
     nib = (packed.to(torch.int32)[:, None, :] >> _SHIFTS.to(packed.device)[None, :, None]) & 0xF  # [r/8, 8, c]
     return nib.reshape(-1, packed.shape[1]).to(torch.uint8)
+
+
+# ---- GGUF blocks (llama.cpp's Q8_0 and Q4_0) -------------------------------------------------------------
+
+
+GGUF_BLOCK = 32  # weights per Q8_0 / Q4_0 block, along a row (input channels)
+
+
+def unpack_q8_0(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GGUF Q8_0 tensor's rows (uint8 [out, in / 32 * 34]: per block an fp16 scale d, then 32 int8 q) ->
+    (q int8 [out, in], d float32 [out, in / 32]); W = d * q, exact in float32 (11 by 8 significant bits)."""
+    out = raw.shape[0]
+    blocks = raw.reshape(out, -1, 34)
+    d = blocks[..., :2].contiguous().view(torch.float16).reshape(out, -1).float()
+    q = blocks[..., 2:].contiguous().view(torch.int8).reshape(out, -1)
+    return q, d
+
+
+def unpack_q4_0(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GGUF Q4_0 tensor's rows (uint8 [out, in / 32 * 18]: per block an fp16 scale d, then 16 bytes whose byte
+    i holds weight i in its low nibble and weight 16 + i in its high one) -> quantize_groups' form at groups of
+    32: q uint8 [out, in] in 0..15, scales float32 [out, in / 32] = d, zeros uint8 = 8. W = d * (q - 8), which
+    is int4's (q - z) * s with z = 8 exactly, and d is already the fp16 our streaming layout keeps: no rounding.
+    (The nibble order is pack_int4_streaming's too; the staging form is unpacked so that every int4 layout,
+    panels included, packs from it.)"""
+    out = raw.shape[0]
+    blocks = raw.reshape(out, -1, 18)
+    d = blocks[..., :2].contiguous().view(torch.float16).reshape(out, -1).float()
+    nib = blocks[..., 2:]
+    q = torch.cat([nib & 15, nib >> 4], dim=2).reshape(out, -1)
+    return q, d, torch.full_like(d, 8, dtype=torch.uint8)

@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="?",
         default=None,
         help="Hugging Face model folder, or a Hub id found in (or fetched into) the Hugging Face cache, e.g. "
-        "Qwen/Qwen3-0.6B (default: the bundled default model)",
+        "Qwen/Qwen3-0.6B, or a GGUF file (default: the bundled default model)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
