@@ -250,6 +250,7 @@ def _convert_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="peer_llamacpp convert")
     ap.add_argument("--src", required=True)
     ap.add_argument("--pre", required=True)
+    ap.add_argument("--outtype", default="bf16", help="the converter's --outtype (f32, f16, bf16, q8_0)")
     ap.add_argument("model")
     ap.add_argument("out")
     a = ap.parse_args(argv)
@@ -269,7 +270,7 @@ def _convert_main(argv: list[str]) -> int:
     TextModel.get_vocab_base_pre = get_vocab_base_pre
     import runpy
 
-    sys.argv = ["convert_hf_to_gguf.py", a.model, "--outtype", "bf16", "--outfile", a.out]
+    sys.argv = ["convert_hf_to_gguf.py", a.model, "--outtype", a.outtype, "--outfile", a.out]
     runpy.run_path(str(src / "convert_hf_to_gguf.py"), run_name="__main__")
     return 0
 

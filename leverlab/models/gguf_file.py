@@ -126,15 +126,19 @@ def chat_template(path: str | Path) -> str | None:
 def _rope_scaling(r, arch: str, tensors: dict, path, theta: float, head_dim: int) -> dict | None:
     """rope_scaling as config.json has it. llama.cpp writes linear / yarn scaling as keys; Llama 3's scaling it
     writes only as its result, a `rope_freqs` tensor of per-frequency divisors. That tensor is matched against
-    Llama 3's formula at the parameters every Llama 3.x release uses; anything else is refused, not guessed."""
+    Llama 3's formula at the parameters every Llama 3.x release uses, then at other ramps and original lengths
+    (powers of two); a tensor that none reproduces is refused, not guessed."""
     kind = field(r, f"{arch}.rope.scaling.type")
     if "rope_freqs.weight" in tensors:
         factors = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float32).reshape(-1)
-        for orig in (8192, 4096, 32768, 131072):
-            cand = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0, "original_max_position_embeddings": orig}
-            if np.allclose(_llama3_factors(cand, theta, head_dim), factors, rtol=1e-5, atol=0):
-                return cand
+        # Llama 3.x: low 1, high 4, original context 8192; other ramps and powers of two tried after it
+        ramps = [(1.0, 4.0)] + [(lo, hi) for lo in (1.0, 2.0) for hi in (2.0, 4.0, 8.0) if (lo, hi) != (1.0, 4.0)]
+        for lo, hi in ramps:
+            for orig in [8192] + [2**k for k in range(4, 21) if k != 13]:
+                cand = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": lo,
+                        "high_freq_factor": hi, "original_max_position_embeddings": orig}
+                if np.allclose(_llama3_factors(cand, theta, head_dim), factors, rtol=1e-6, atol=0):
+                    return cand
         raise ValueError(f"GGUF {path}: its rope_freqs tensor (per-frequency RoPE divisors) matches no Llama 3 "
                          "scaling we know; serve the Hugging Face folder instead")
     if kind in (None, "none"):
