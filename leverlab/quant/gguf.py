@@ -4,7 +4,10 @@ llama.cpp's Q4_0 is W = d * (q - 8) per block of 32 input channels, d in fp16: o
 with an integer zero point of 8 and the same fp16 scale (quant/layouts.py unpack_q4_0). models/gguf_loader.py
 hands this method each projection already unpacked into int4's staging form (qweight [out, in] uint8, scales
 [out, in / 32] float32, qzeros [out, in / 32] uint8), so loading only stages rows; process_weights_after_loading
-is int4's and packs them for the streaming kernel (rows or AVX-512 VNNI panels) as for any int4 checkpoint.
+is int4's and packs them for the streaming kernel (rows or AVX-512 VNNI panels) as for any int4 checkpoint, except
+that the panels leave the zero points out (all 8): a group of 32 streams 18 bytes, Q4_0's own block size, where
+int4-g32's panels stream 20 (its zero points in fp16), which had made the Q4_0 file decode 0.90-0.93x our int4 at
+groups of 64 (scripts/bench_gguf.py).
 
 The method keeps int4's name: it is int4 (the same kernels, the same head choice by --lm-head-quantization).
 """
@@ -19,6 +22,7 @@ from leverlab.quant.layouts import GGUF_BLOCK
 class GGUFQ4Method(Int4Method):
     name = "int4"
     checkpoint_format = "gguf-q4_0"
+    zero_point_free = True  # every zero point is Q4_0's 8: the AVX-512 VNNI panels do not store them
 
     def __init__(self, group_size: int = GGUF_BLOCK):
         super().__init__(group_size)

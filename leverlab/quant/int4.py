@@ -48,6 +48,9 @@ class Int4Method(QuantMethod):
     name = "int4"
     checkpoint_format: str | None = None  # None: quantize a float checkpoint at load time
     w8a8_min_rows: int | None = 2  # batch 2+: the int4 kernel's cost grows with rows, fbgemm's barely
+    # True: every zero point is 8 (GGUF Q4_0, quant/gguf.py), and the AVX-512 VNNI panels leave them out (8 g + 32
+    # bytes a group instead of 8 g + 64: Q4_0's own 4.5 bits per weight at groups of 32, not 5)
+    zero_point_free: bool = False
 
     def __init__(self, group_size: int = 64):
         if group_size not in INT4_GROUP_SIZES:
@@ -126,7 +129,7 @@ class Int4Method(QuantMethod):
             if q.shape[0] % 16 == 0 and kern.has_fast_int6() and dtype in (torch.bfloat16, torch.float16):
                 # AVX-512 VNNI: panels of 16 rows (one stream), where their integer path runs (bf16/fp16
                 # activations; float32 ones would unpack them at every call)
-                state.stream = (pack_int4_panels(q, s, z, self.group_size), ss)
+                state.stream = (pack_int4_panels(q, s, z, self.group_size, self.zero_point_free), ss)
             elif (self.group_size == 64 and q.shape[1] % 256 == 0 and kern.has_int4_interleaved()
                   and dtype in (torch.bfloat16, torch.float16)):
                 # AVX2: each row's groups interleaved four at a time (the same bytes), which saves the kernel

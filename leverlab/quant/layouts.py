@@ -75,12 +75,15 @@ def pack_int4_streaming(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     return packed, torch.stack([s16, zeros.to(torch.float16)], dim=1).contiguous()
 
 
-def pack_int4_panels(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+def pack_int4_panels(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                     symmetric: bool = False) -> torch.Tensor:
     """The panel layout of the AVX-512 VNNI kernel (csrc/quant_linear.cpp, int4_panels_q8): [out / 16, in / g,
     8 g + 64] uint8. Rows 16 p .. 16 p + 15 form panel p; per group, g / 8 vectors of 64 bytes, where bytes
     4 r .. 4 r + 3 of vector j hold row r's channels 8 j .. 8 j + 3 (low nibbles) and 8 j + 4 .. 8 j + 7 (high
     nibbles), then the 16 rows' fp16 scales and their 16 zero points. The same bytes as pack_int4_streaming's
-    pair (4 + 32 / g bits per weight), in one stream. out % 16 == 0."""
+    pair (4 + 32 / g bits per weight), in one stream. out % 16 == 0.
+    symmetric: every zero point is 8 (llama.cpp's Q4_0) and none is stored: 8 g + 32 bytes a group, 4 + 16 / g bits
+    per weight (the kernel tells the two forms apart by that size)."""
     out, k = q.shape
     g, ng = group_size, k // group_size
     v = q.to(torch.uint8).reshape(out // 16, 16, ng, g // 8, 2, 4)
@@ -90,6 +93,10 @@ def pack_int4_panels(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     def per_group(t: torch.Tensor) -> torch.Tensor:  # [out, ng] fp16 -> [out / 16, ng, 32] bytes
         return t.reshape(out // 16, 16, ng).permute(0, 2, 1).contiguous().view(torch.uint8)
 
+    if symmetric:
+        if not bool((zeros == 8).all()):
+            raise ValueError("symmetric int4 panels need every zero point to be 8")
+        return torch.cat([nibbles, per_group(s16)], dim=2).contiguous()
     return torch.cat([nibbles, per_group(s16), per_group(zeros.to(torch.float16))], dim=2).contiguous()
 
 
@@ -138,6 +145,13 @@ def interleaved_to_rows(il: torch.Tensor) -> torch.Tensor:
     return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(q.shape[0], -1).contiguous()
 
 
+def panel_group_size(panels: torch.Tensor) -> int:
+    """The group size of pack_int4_panels' panels, either form: 8 g + 64 bytes a group, or 8 g + 32 symmetric
+    (g a multiple of 32, so 8 g is one of 256: the two never meet)."""
+    b = panels.shape[2]
+    return (b - 64) // 8 if (b - 64) % 256 == 0 else (b - 32) // 8
+
+
 def is_interleaved(packed: torch.Tensor) -> bool:
     """Whether a streaming weight is pack_int4_interleaved's (3-D, 128 bytes a step) rather than panels."""
     return packed.dim() == 3 and packed.shape[2] == 128
@@ -150,7 +164,7 @@ def dequantize_streaming(packed: torch.Tensor, scales: torch.Tensor) -> torch.Te
     if is_interleaved(packed):
         packed = interleaved_to_rows(packed)
     elif packed.dim() == 3:
-        packed = panels_to_rows(packed, (packed.shape[2] - 64) // 8)
+        packed = panels_to_rows(packed, panel_group_size(packed))
     p = packed.view(out, -1, 16)
     q = torch.cat([p & 15, p >> 4], dim=2).view(out, ng, -1).float()
     s = scales.float()

@@ -1575,14 +1575,17 @@ __attribute__((always_inline)) inline void panel_unpack(const uint8_t* pv, __m51
 // prefetch per vector, had lost with 2 and 4 KB: 0.87x, 0.89x; requesting a group's lines at once changed that.)
 constexpr int64_t kPanelNtaAhead = 4096;
 
-template <int MG, int XS, bool SIX>
+// SYM: zero-point-free int4 panels (pack_int4_panels' symmetric form, 8 g + 32 bytes a group): every zero point is
+// 8 and is not stored, so that llama.cpp's Q4_0 (d (q - 8) per 32 weights) streams its own 4.5 bits per weight
+// rather than 5 (quant/gguf.py).
+template <int MG, int XS, bool SIX, bool SYM = false>
 __attribute__((always_inline)) inline void panel_rows(const uint8_t* p, int64_t G, int64_t g, const QuantizedRows& x,
                                                       const float* gsum, int64_t G16, int64_t m0, __m512* out) {
   constexpr int C = MG >= 4 ? 1 : 4 / MG;
   constexpr int LPS = XS / 8;  // vectors per x span
   constexpr int VB = SIX ? 96 : 64;  // bytes per vector of 128 weights
   constexpr int kFamily = SIX ? kStreamInt6 : kStreamInt4;
-  const int64_t K = x.K, wb = g / 8 * VB, gb = wb + 64;  // a group's weight bytes, and with its scales
+  const int64_t K = x.K, wb = g / 8 * VB, gb = wb + (SYM ? 32 : 64);  // a group's weight bytes, and with its scales
   const int8_t* const xq = x.q + m0 * K;
   const float* const xscale = x.scale + m0 * x.B;
   __m512 o[MG];
@@ -1591,7 +1594,8 @@ __attribute__((always_inline)) inline void panel_rows(const uint8_t* p, int64_t 
     const uint8_t* pg = p + j * gb;
     prefetch_lines<kFamily, kPanelNtaAhead>(pg, gb);  // the group's lines, weights and scales
     const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + wb)));
-    const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + wb + 32)));
+    const __m512 z = SYM ? _mm512_set1_ps(8.f)
+                         : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + wb + 32)));
     for (int64_t c0 = 0; c0 < g; c0 += XS) {  // one x scale each
       __m512i alo[MG][C], ahi[MG][C];
       for (int m = 0; m < MG; ++m)
@@ -1629,7 +1633,7 @@ __attribute__((always_inline)) inline void panel_rows(const uint8_t* p, int64_t 
 
 // y [M, N] = x W^T + b for W in panels (N % 16 == 0, g % 32 == 0); activation rows 8 at a time (up to 8 rows keep
 // their accumulators in registers; more re-read the panel from L1/L2, not from memory). SIX: int6 panels.
-template <typename T, bool SIX = false>
+template <typename T, bool SIX = false, bool SYM = false>
 void int4_panels_q8(const at::Tensor& x, const uint8_t* w, int64_t g, const float* bias, T* y, int64_t N, int64_t K) {
   static thread_local std::vector<float> gbuf;
   const int64_t M = x.size(0), G = K / g, bpg = g / 32, G16 = (G + 15) / 16 * 16;
@@ -1641,7 +1645,7 @@ void int4_panels_q8(const at::Tensor& x, const uint8_t* w, int64_t g, const floa
       for (int64_t b = j * bpg; b < (j + 1) * bpg; ++b) acc += xq.scale[m * xq.B + b] * static_cast<float>(xq.sum[m * xq.B + b]);
       gsum[m * G16 + j] = acc;
     }
-  const int64_t pb = G * (g / 8 * (SIX ? 96 : 64) + 64);  // bytes per panel
+  const int64_t pb = G * (g / 8 * (SIX ? 96 : 64) + (SYM ? 32 : 64));  // bytes per panel
   // Each panel is computed by the range that holds its first row: parallel_rows' chunks are whole panels (multiples
   // of 64 rows), at::parallel_for's (past kMaxThreads threads) need not be.
   parallel_rows(N, [&](int64_t n0, int64_t n1) {
@@ -1652,8 +1656,8 @@ void int4_panels_q8(const at::Tensor& x, const uint8_t* w, int64_t g, const floa
         const int mg = static_cast<int>(std::min<int64_t>(8, M - m0));
         auto run = [&](auto c) {
           constexpr int MG = decltype(c)::value;
-          if (g >= 64) panel_rows<MG, 64, SIX>(p, G, g, xq, gsum, G16, m0, out);
-          else panel_rows<MG, 32, SIX>(p, G, g, xq, gsum, G16, m0, out);
+          if (g >= 64) panel_rows<MG, 64, SIX, SYM>(p, G, g, xq, gsum, G16, m0, out);
+          else panel_rows<MG, 32, SIX, SYM>(p, G, g, xq, gsum, G16, m0, out);
         };
         switch (mg) {
           case 1: run(std::integral_constant<int, 1>()); break;
@@ -1701,9 +1705,10 @@ inline InterleavedAt interleaved_at(int64_t c) {
 }
 
 // Panels back to the row layout (pack_int4_streaming's [N, K / 2]), for the paths that read rows: float32
-// activations (exact), more rows than stream, CPUs without AVX-512 VNNI.
+// activations (exact), more rows than stream, CPUs without AVX-512 VNNI. Either form: a group is 8 g + 64 bytes,
+// or 8 g + 32 without its zero points (SYM above); the row layout's zero points come from the scales tensor.
 at::Tensor panels_to_rows(const at::Tensor& panels, int64_t N, int64_t K, int64_t g) {
-  const int64_t G = K / g, pb = G * (8 * g + 64);
+  const int64_t G = K / g, gb = panels.size(2), pb = G * gb;
   auto rows = at::empty({N, K / 2}, at::kByte);
   const uint8_t* src = panels.data_ptr<uint8_t>();
   uint8_t* dst = rows.data_ptr<uint8_t>();
@@ -1714,7 +1719,7 @@ at::Tensor panels_to_rows(const at::Tensor& panels, int64_t N, int64_t K, int64_
       uint8_t* out = dst + n * (K / 2);
       for (int64_t k = 0; k < K; ++k) {
         const int64_t j = k / g, c = k % g, v = c / 8, t = c % 8;
-        const uint8_t byte = p[j * (8 * g + 64) + v * 64 + 4 * r + t % 4];
+        const uint8_t byte = p[j * gb + v * 64 + 4 * r + t % 4];
         put_u4(out, k, t < 4 ? byte & 15 : byte >> 4);
       }
     }
@@ -1932,11 +1937,13 @@ at::Tensor panel_linear(const char* op, const at::Tensor& x, const at::Tensor& p
                         int64_t group, const c10::optional<at::Tensor>& bias, Rows&& rows) {
   TORCH_CHECK(x.dim() == 2 && scales.dim() == 3, op, ": x [M, K], scales [N, 2, K / g]");
   const int64_t M = x.size(0), N = scales.size(0), K = x.size(1);
+  // int4 panels without zero points (8 g + 32 bytes a group): every zero point is 8 (pack_int4_panels' symmetric)
+  const bool sym = !SIX && panels.dim() == 3 && panels.size(2) == 8 * group + 32;
   TORCH_CHECK(panels.scalar_type() == at::kByte && panels.is_contiguous() && group % 32 == 0 && K % group == 0 &&
                   (!SIX || K % 128 == 0) && N % 16 == 0 && panels.size(0) == N / 16 &&
-                  panels.size(1) == K / group && panels.size(2) == (SIX ? 12 : 8) * group + 64,
-              op, ": panels [N / 16, K / g, ", SIX ? "12" : "8", " g + 64] uint8 (",
-              SIX ? "pack_int6_panels" : "pack_int4_panels", ")");
+                  panels.size(1) == K / group && (sym || panels.size(2) == (SIX ? 12 : 8) * group + 64),
+              op, ": panels [N / 16, K / g, ", SIX ? "12" : "8", " g + 64", SIX ? "" : " (or 8 g + 32, symmetric)",
+              "] uint8 (", SIX ? "pack_int6_panels" : "pack_int4_panels", ")");
   check_group_scales(op, N, K, group, scales);
 #if LEVERLAB_QUANT_AVX512
   if (M <= quant_max_rows() && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf)) {
@@ -1944,7 +1951,13 @@ at::Tensor panel_linear(const char* op, const at::Tensor& x, const at::Tensor& p
     const float* bp = bias_f32(bias, b32);
     auto y = at::empty({M, N}, x.options());
     AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "panel_linear", [&] {
-      int4_panels_q8<scalar_t, SIX>(x, panels.data_ptr<uint8_t>(), group, bp, y.data_ptr<scalar_t>(), N, K);
+      if constexpr (SIX) {
+        int4_panels_q8<scalar_t, true>(x, panels.data_ptr<uint8_t>(), group, bp, y.data_ptr<scalar_t>(), N, K);
+      } else if (sym) {
+        int4_panels_q8<scalar_t, false, true>(x, panels.data_ptr<uint8_t>(), group, bp, y.data_ptr<scalar_t>(), N, K);
+      } else {
+        int4_panels_q8<scalar_t, false>(x, panels.data_ptr<uint8_t>(), group, bp, y.data_ptr<scalar_t>(), N, K);
+      }
     });
     return y;
   }
