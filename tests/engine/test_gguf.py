@@ -168,3 +168,14 @@ def test_bad_gguf_files(tmp_path):
     cut.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 7)
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         ModelConfig.from_folder(cut)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_quantized_gguf_shards_over_tensor_parallel_ranks(gguf, tmp_path, kind):
+    """Each rank cuts its slice of the unpacked tensors (llama's Q/K rows unpermuted first): two ranks give one
+    rank's greedy tokens."""
+    if kind == "q8_0":
+        path = gguf("llama", "q8_0")[1]
+    else:
+        path = write_q4_0(gguf("llama", "f32")[1], tmp_path / "q4_0.gguf")
+    assert _tokens(path, tensor_parallel_size=2) == _tokens(path)
