@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants as gguf_quants
 
 from leverlab.quant.layouts import (
     dequantize_int4,
@@ -15,9 +17,6 @@ from leverlab.quant.layouts import (
     unpack_q4_0,
     unpack_q8_0,
 )
-
-gguf_quants = pytest.importorskip("gguf.quants")
-from gguf import GGMLQuantizationType as T  # noqa: E402
 
 
 def _weights(out: int = 48, k: int = 256) -> np.ndarray:
