@@ -119,7 +119,8 @@ def tensors(path: str | Path, cfg: ModelConfig, method, head_method=None,
         part = t.name.split(".")[2] if t.name.startswith("blk.") else t.name.split(".")[0]
         if cfg.architecture == "LlamaForCausalLM" and part in ("attn_q", "attn_k"):
             raw = raw[_unpermute_rows(cfg, part)]  # rows are whole in every GGUF type: permute them as stored
-        is_proj = (part in PROJECTIONS or (part == "output" and head_method is method)) and name.endswith(".weight")
+        head_too = part == "output" and head_method is not None and head_method is method
+        is_proj = (part in PROJECTIONS or head_too) and name.endswith(".weight")
         prefix = name.rpartition(".")[0]
         if is_proj and isinstance(method, GGUFQ4Method):
             if kind == "Q4_0":
