@@ -26,6 +26,9 @@ class GGUFQ4Method(Int4Method):
 
     def __init__(self, group_size: int = GGUF_BLOCK):
         super().__init__(group_size)
+        # 4 bits + the fp16 scale per group: Q4_0's 4.5 at 32, as the zero-point-free panels stream it (the AVX2
+        # row layout still reads int4's zero points beside the rows: 5)
+        self.bits_per_weight = 4 + 16 / group_size
 
     def config_dict(self) -> dict:
         return {"quant_method": "int4", "bits": 4, "group_size": self.group_size, "source": "gguf q4_0"}
