@@ -13,6 +13,7 @@
 | LEVERLAB_NO_HUGE_PAGES=1     | leave a CPU model's weights in 4 KB pages (kernels/huge_pages.py; A/B runs) |
 | LEVERLAB_NO_AMX=1            | no AMX kernels of ours: batched int8 rows on fbgemm's GEMM (quant/int8_gemm.py), bf16 decode rows on the streaming kernel (layers/bf16_linear.py); A/B runs |
 | LEVERLAB_NO_FUSED_DECODE=1    | decode steps through the modules instead of the fused C++ forward       |
+| LEVERLAB_NO_FUSED_MOE=1       | an MoE layer's hit experts one module call each instead of one C++ op (A/B runs) |
 | LEVERLAB_TP_STEP_TIMEOUT_S    | seconds before a hung tensor-parallel rank fails the step (30)          |
 | LEVERLAB_API_KEY              | the server's API key when --api-key is not given                        |
 | LEVERLAB_TEST_FAIL_AT_STEP    | TESTS ONLY: the server's engine loop raises at that step (failure path) |

@@ -26,6 +26,7 @@ from leverlab import env
 from leverlab.kernels import cpu_kernels
 from leverlab.layers.attention import KERNEL_MAX_SPAN, AttentionMetadata
 from leverlab.models.decoder import CausalLM
+from leverlab.models.moe import SparseMoE
 from leverlab.quant import autotune, int8_gemm
 
 log = logging.getLogger("leverlab")
@@ -148,6 +149,49 @@ def _set_head(dec, model: CausalLM, dtype: torch.dtype) -> int:
     kind, (w, scale, _) = weights
     dec.set_head(kind, w, scale)
     return head.kernel_state.stream_rows
+
+
+# The most tokens of a step whose routed experts run in one C++ call (fused_moe): decode batches and short
+# verification spans, where the Python frames per hit expert weigh against its weight reads; the streaming kernels
+# take up to 32 rows.
+MOE_MAX_TOKENS = 32
+
+
+def fused_moe(model: CausalLM) -> int:
+    """Give each sparse MoE layer of `model` its routed experts as one C++ op (SparseMoE.kernel: MoeExperts in
+    csrc/fused_decoder.cpp), over each expert's linears as _linear() describes them; returns how many layers took
+    it (0: the reason is logged). A layer takes it for steps of at most as many tokens as every quantized expert
+    streams (kernel_state.stream_rows), so that the kernels are those the module path would call."""
+    if not model.config.is_moe:
+        return 0
+    try:
+        if env.flag("LEVERLAB_NO_FUSED_MOE"):
+            raise _NotFused("LEVERLAB_NO_FUSED_MOE=1")
+        if model.lm_head.weight.device.type != "cpu":
+            raise _NotFused("not on the CPU")
+        kern = cpu_kernels.kernels()
+        if kern is None:
+            raise _NotFused("the C++ kernels are not built here")
+        moes = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoE)]
+        built = []
+        for moe in moes:
+            tensors, kinds, rows = [], [], MOE_MAX_TOKENS
+            for expert in moe.experts:
+                ts = []
+                for lin in (expert.gate_up_proj, expert.down_proj):
+                    kind, t = _linear(lin)
+                    if lin.quant_method is not None:
+                        rows = min(rows, lin.kernel_state.stream_rows)
+                    kinds.append(kind)
+                    ts += t
+                tensors.append([t.data if t is not None else None for t in ts])
+            built.append((moe, kern.MoeExperts(tensors, kinds), rows))
+    except _NotFused as e:
+        log.info("fused MoE experts off: %s", e)
+        return 0
+    for moe, op, rows in built:
+        moe.kernel, moe.kernel_rows = op, rows
+    return len(built)
 
 
 class FusedForward:

@@ -10,8 +10,10 @@ never over tokens.
 
 Each expert is an ordinary gated MLP of our Linear layers (decoder.MLP), so every quantization method (int8, int4,
 ...) quantizes it per expert with the kernels a dense layer uses, and the loader reads Hugging Face's per-expert
-tensors into it without a copy. A fused decode kernel (a later stage) can take the experts' weights the way
-models/fused.py takes a dense layer's, one (kind, weight, scale) per expert.
+tensors into it without a copy. For decode-sized steps on the CPU the hit experts run in one C++ call per layer
+instead (`kernel`, set by models/fused.py fused_moe: csrc/fused_decoder.cpp MoeExperts), which takes each expert's
+linears the way the fused decoder takes a dense layer's, (kind, weight, scale), and repeats expert_outputs() op for
+op without its Python frames per expert; this module's loop stays the reference and the path of larger steps.
 
 The routing math is transformers' op for op: router logits in the model dtype, softmax in float32, torch.topk
 (ties resolve as it resolves them there), optional renormalization, the weights cast back to the model dtype
@@ -60,10 +62,12 @@ class SparseMoE(nn.Module):
         if shared_expert is not None:
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
             self.shared_expert_gate.weight.requires_grad_(False)
+        self.kernel = None  # the C++ MoeExperts over these experts (models/fused.py fused_moe), or None
+        self.kernel_rows = 0  # the most tokens a step may have to take it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.gate(x)
-        out = expert_outputs(x, weights, chosen, self.experts)
+        out = routed_outputs(self, x, weights, chosen)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
@@ -78,6 +82,14 @@ def group_by_expert(chosen: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     counts = torch.bincount(flat, minlength=num_experts)
     hit = counts.nonzero().flatten()
     return order, hit.tolist(), counts[hit].tolist()
+
+
+@torch.compiler.disable  # an opaque native call, and the loop below: eager under --execution-mode compiled
+def routed_outputs(moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """expert_outputs(), in one C++ call when the layer has its kernel and the step is short enough."""
+    if moe.kernel is not None and x.dim() == 2 and x.shape[0] <= moe.kernel_rows:
+        return moe.kernel.forward(x, weights, chosen)
+    return expert_outputs(x, weights, chosen, moe.experts)
 
 
 # Eager under --execution-mode compiled: the loop's length is the number of experts a step hit, which Dynamo would

@@ -80,6 +80,8 @@ class ModelRunner:
         self.fused = fused.fused_decoder(self.model, self.kv_caches, config.kv_cache_dtype, self.tp.size,
                                          self.kv_scales)
         self.fused_steps = 0  # steps that took it
+        # A mixture-of-experts model keeps the module path, each sparse layer's hit experts in one C++ call.
+        fused.fused_moe(self.model)
         if config.execution_mode == "compiled":
             from leverlab.worker.compiled import compile_forward
 
