@@ -118,7 +118,14 @@ def _set_batched(dec, quantized: list, num_layers: int) -> int | None:
     the module path's Python cost ~1 ms per decoder layer (autotune.module_cost_per_layer_s), a quarter of an
     int4 step of the Qwen3-0.6B shape. Otherwise, past the rows where streaming every layer stops paying (measured
     at load), the module path takes the step, each layer at its faster kernel."""
-    covered = True
+    uncovered = _give_batched(dec, quantized)
+    return autotune.fused_rows([lin for _, _, lin in quantized], num_layers) if uncovered else None
+
+
+def _give_batched(dec, quantized: list) -> list:
+    """dec.set_batched / set_batched_amx(i, j, ...) for each (i, j, linear) of `quantized` that autotune.eligible
+    covers; returns the linears it does not cover."""
+    uncovered = []
     for i, j, lin in quantized:
         if autotune.eligible(lin):
             w = int8_gemm.packed(lin.kernel_state.int8_key)
@@ -127,8 +134,8 @@ def _set_batched(dec, quantized: list, num_layers: int) -> int | None:
             else:
                 dec.set_batched(i, j, w, lin.kernel_state.stream_rows, int8_gemm.REDUCE_RANGE)
         else:
-            covered = False
-    return None if covered else autotune.fused_rows([lin for _, _, lin in quantized], num_layers)
+            uncovered.append(lin)
+    return uncovered
 
 
 def _set_head(dec, model: CausalLM, dtype: torch.dtype) -> int:
@@ -160,8 +167,9 @@ MOE_MAX_TOKENS = 32
 def fused_moe(model: CausalLM) -> int:
     """Give each sparse MoE layer of `model` its routed experts as one C++ op (SparseMoE.kernel: MoeExperts in
     csrc/fused_decoder.cpp), over each expert's linears as _linear() describes them; returns how many layers took
-    it (0: the reason is logged). A layer takes it for steps of at most as many tokens as every quantized expert
-    streams (kernel_state.stream_rows), so that the kernels are those the module path would call."""
+    it (0: the reason is logged). Each quantized expert linear gets fbgemm's int8 GEMM past the rows it streams as
+    the fused decoder's do (_give_batched), so that each expert picks its kernel by its own rows as its module does;
+    a layer with a linear not so covered takes the op only for steps of at most the rows that linear streams."""
     if not model.config.is_moe:
         return 0
     try:
@@ -175,17 +183,20 @@ def fused_moe(model: CausalLM) -> int:
         moes = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoE)]
         built = []
         for moe in moes:
-            tensors, kinds, rows = [], [], MOE_MAX_TOKENS
-            for expert in moe.experts:
+            tensors, kinds, quantized = [], [], []
+            for e, expert in enumerate(moe.experts):
                 ts = []
-                for lin in (expert.gate_up_proj, expert.down_proj):
+                for j, lin in enumerate((expert.gate_up_proj, expert.down_proj)):
                     kind, t = _linear(lin)
                     if lin.quant_method is not None:
-                        rows = min(rows, lin.kernel_state.stream_rows)
+                        quantized.append((e, j, lin))
                     kinds.append(kind)
                     ts += t
                 tensors.append([t.data if t is not None else None for t in ts])
-            built.append((moe, kern.MoeExperts(tensors, kinds), rows))
+            op = kern.MoeExperts(tensors, kinds)
+            uncovered = _give_batched(op, quantized)
+            rows = min([MOE_MAX_TOKENS] + [lin.kernel_state.stream_rows for lin in uncovered])
+            built.append((moe, op, rows))
     except _NotFused as e:
         log.info("fused MoE experts off: %s", e)
         return 0

@@ -121,6 +121,20 @@ at::Tensor batched(const Lin& l, const at::Tensor& x) {
   return l.bias.defined() ? y + l.bias : y;
 }
 
+// Past stream_rows rows the linear takes fbgemm's int8 GEMM (`packed`), or the same in AMX tiles (`amx_w`).
+void set_lin_batched(Lin& lin, const torch::jit::Object& packed, int64_t stream_rows, bool reduce_range) {
+  lin.packed = c10::IValue(packed._ivalue());
+  TORCH_CHECK(lin.packed.isObject(), "set_batched: a prepacked fbgemm weight (quantized::linear_prepack)");
+  lin.stream_rows = stream_rows;
+  lin.reduce_range = reduce_range;
+}
+
+void set_lin_batched_amx(Lin& lin, at::Tensor packed, at::Tensor scale, int64_t stream_rows) {
+  lin.amx_w = packed;
+  lin.amx_scale = scale;
+  lin.stream_rows = stream_rows;
+}
+
 at::Tensor apply(const Lin& l, const at::Tensor& x) {
   if ((!l.packed.isNone() || l.amx_w.defined()) && x.size(0) > l.stream_rows) return batched(l, x);
   c10::optional<at::Tensor> b = l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt;
@@ -405,19 +419,12 @@ class FusedDecoder {
 
   // Layer i's linear j takes fbgemm's GEMM past stream_rows rows.
   void set_batched(int64_t i, int64_t j, const torch::jit::Object& packed, int64_t stream_rows, bool reduce_range) {
-    Lin& lin = linear(i, j, "set_batched");
-    lin.packed = c10::IValue(packed._ivalue());
-    TORCH_CHECK(lin.packed.isObject(), "set_batched: a prepacked fbgemm weight (quantized::linear_prepack)");
-    lin.stream_rows = stream_rows;
-    lin.reduce_range = reduce_range;
+    set_lin_batched(linear(i, j, "set_batched"), packed, stream_rows, reduce_range);
   }
 
   // The same with the int8 copy in AMX tiles (quant/int8_gemm.py AmxWeight).
   void set_batched_amx(int64_t i, int64_t j, at::Tensor packed, at::Tensor scale, int64_t stream_rows) {
-    Lin& lin = linear(i, j, "set_batched_amx");
-    lin.amx_w = packed;
-    lin.amx_scale = scale;
-    lin.stream_rows = stream_rows;
+    set_lin_batched_amx(linear(i, j, "set_batched_amx"), packed, scale, stream_rows);
   }
 
   void set_head(int64_t kind, at::Tensor w, c10::optional<at::Tensor> scale) {
@@ -734,8 +741,9 @@ class FusedDecoder {
 // about 30-60 us per hit expert, against ~0.3 ms of int8 weight reads for one expert of the Qwen3-30B-A3B shape).
 // The routing stays in torch (Router.forward), so ties and numerics stay transformers'; this takes its choices.
 // Each expert's two linears are Lins as the fused decoder holds a dense layer's (models/fused.py _linear), applied
-// with the same streaming kernels; the caller takes this path only for as many rows as every expert streams, so
-// the result equals the module path's bit for bit.
+// with the same kernels (streaming up to its stream_rows, fbgemm's or AMX's int8 GEMM past them: set_batched);
+// the caller takes this path only for steps where every expert's linears pick their kernels as the modules do,
+// so the result equals the module path's bit for bit.
 class MoeExperts {
  public:
   // Per expert 6 tensors, (weight, scale, bias) of gate_up then down; kinds holds 2 per expert.
@@ -797,7 +805,20 @@ class MoeExperts {
 
   int64_t num_experts() const { return static_cast<int64_t>(experts_.size()); }
 
+  // Expert e's linear j (0 gate_up, 1 down) takes fbgemm's GEMM past stream_rows rows, as FusedDecoder's do: the
+  // module path switches per expert by its own rows, and so does this.
+  void set_batched(int64_t e, int64_t j, const torch::jit::Object& packed, int64_t stream_rows, bool reduce_range) {
+    set_lin_batched(linear(e, j), packed, stream_rows, reduce_range);
+  }
+  void set_batched_amx(int64_t e, int64_t j, at::Tensor packed, at::Tensor scale, int64_t stream_rows) {
+    set_lin_batched_amx(linear(e, j), packed, scale, stream_rows);
+  }
+
  private:
+  Lin& linear(int64_t e, int64_t j) {
+    TORCH_CHECK(e >= 0 && e < num_experts() && j >= 0 && j < 2, "MoeExperts: expert, linear (0 gate_up, 1 down)");
+    return experts_[e][j];
+  }
   std::vector<std::array<Lin, 2>> experts_;  // gate_up, down
 };
 
@@ -806,6 +827,10 @@ void bind_fused_decoder(pybind11::module& m) {
       .def(pybind11::init<std::vector<std::vector<c10::optional<at::Tensor>>>, std::vector<int64_t>>())
       .def("forward", &MoeExperts::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "x [T, H], routing weights [T, k], chosen experts [T, k] int64 -> sum of weight * expert(x) [T, H]")
+      .def("set_batched", &MoeExperts::set_batched, "expert, linear (0 gate_up, 1 down), fbgemm packed weight, "
+           "stream_rows, reduce_range: as FusedDecoder.set_batched")
+      .def("set_batched_amx", &MoeExperts::set_batched_amx, "expert, linear, AMX-packed int8 weight, float32 "
+           "scales, stream_rows: as FusedDecoder.set_batched_amx")
       .def("num_experts", &MoeExperts::num_experts);
   pybind11::class_<FusedDecoder>(m, "FusedDecoder")
       .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor,
