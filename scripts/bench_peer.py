@@ -705,7 +705,7 @@ def main() -> int:
                             **{name: pr.weight_bytes(p) for name, pr in peers.items()}} for p in args.precisions}
         best = run_rounds(args, ours, peers, result["rounds"], out.with_suffix(""))
         if "decode" in args.measurements:
-            prompt = random_ids(torch.Generator().manual_seed(1), args.prompt_len)
+            prompt = random_ids(torch.Generator().manual_seed(1), args.prompt_len, vocab_size(args.model))
             try:
                 result["paired_precision_ratios"] = paired_precision_ratios(
                     lambda p: ours[p].measure("decode", [prompt]) if ours.get(p) else None, args)
@@ -738,16 +738,27 @@ def main() -> int:
     return 0
 
 
-def random_ids(g: torch.Generator, n: int) -> list[int]:
-    """n token ids in 100..999 drawn from g: the prompts of every measurement (the rounds and the paired block)."""
-    return torch.randint(100, 1000, (n,), generator=g).tolist()
+def random_ids(g: torch.Generator, n: int, vocab: int | None = None) -> list[int]:
+    """n token ids in 100..999 drawn from g: the prompts of every measurement (the rounds and the paired block);
+    below `vocab` where the model's vocabulary is smaller (a random checkpoint on the tests' tokenizer, such as
+    scripts/bench_moe_decode.py writes: 384 ids)."""
+    hi = 1000 if vocab is None else min(1000, vocab)
+    return torch.randint(min(100, hi - 1), hi, (n,), generator=g).tolist()
+
+
+def vocab_size(model: str) -> int | None:
+    try:
+        return json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def run_rounds(args, ours: dict, peers: dict, rounds: list, work: Path) -> dict:
     """Every measurement of every precision, one engine at a time, `args.rounds` times; every figure is appended
     to `rounds`, the best of each returned as {precision: {measurement: {engine: figure}}}."""
     g = torch.Generator().manual_seed(0)
-    rand = lambda n: random_ids(g, n)  # noqa: E731
+    vocab = vocab_size(args.model)
+    rand = lambda n: random_ids(g, n, vocab)  # noqa: E731
     best: dict = {}
     for rnd in range(1, args.rounds + 1):
         # Odd rounds run ours first, even rounds the peers first (in reverse): a drift within a round hits all alike.
