@@ -30,3 +30,10 @@ def assert_all_free(llm):
     head = eng.proposer
     assert head.blocks.num_free == head.blocks.num_blocks, "head KV blocks leaked"
     assert not head.states, "head state kept for finished sequences"
+
+
+def hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of `prompt` by exactly n tokens (end-of-sequence does not stop it): the
+    reference the engine's float32 greedy tokens must equal."""
+    out = ref.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None)
+    return out[0, len(prompt):].tolist()

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from leverlab.config import default_model_path
+from tests.engine.helpers import hf_greedy
 
 BUNDLED = default_model_path()
 pytestmark = pytest.mark.skipif(not (BUNDLED / "model.safetensors").is_file(),
@@ -21,8 +22,7 @@ def test_bundled_model_parity_with_transformers():
     llm = LLM(str(BUNDLED), dtype="float32")
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, prompt_logprobs=0))[0]
     ref = AutoModelForCausalLM.from_pretrained(str(BUNDLED), dtype=torch.float32).eval()
-    expected = ref.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                            eos_token_id=None)[0, len(ids):].tolist()
+    expected = hf_greedy(ref, ids, 32)
     assert out.outputs[0].token_ids == expected
     with torch.no_grad():
         logp = torch.log_softmax(ref(torch.tensor([ids])).logits[0], -1)

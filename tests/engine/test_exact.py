@@ -7,6 +7,7 @@ from leverlab import LLM, SamplingParams
 from leverlab.layers.attention import AttentionMetadata, forward_context
 from leverlab.models.loader import load_model
 from tests.checkpoints import ARCHS
+from tests.engine.helpers import hf_greedy
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 47)), [7], [100, 3, 250, 17, 9, 31, 2, 8]]
 
@@ -40,8 +41,7 @@ def test_greedy_tokens_match_transformers(checkpoint_factory, arch):
     ref = hf_model(path)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
-        expected = ref.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None,
-                                min_new_tokens=40)[0, len(prompt):].tolist()
+        expected = hf_greedy(ref, prompt, 40)
         assert out.outputs[0].token_ids == expected
         assert out.outputs[0].finish_reason == "length"
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks

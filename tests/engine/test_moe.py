@@ -17,6 +17,7 @@ from leverlab.models.config import ModelConfig
 from leverlab.models.loader import checkpoint_files, load_model
 from leverlab.models.moe import Router, SparseMoE
 from tests.checkpoints import MOE_ARCHS, make_eagle_head
+from tests.engine.helpers import hf_greedy
 from tests.quant.formats import write_float
 from tests.quant.test_engine import fake_quant_weights
 
@@ -113,8 +114,7 @@ def test_greedy_tokens_match_transformers(checkpoint_factory, arch):
     ref = hf_model(path)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
-        expected = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                                min_new_tokens=32)[0, len(prompt):].tolist()
+        expected = hf_greedy(ref, prompt, 32)
         assert out.outputs[0].token_ids == expected
     assert_all_free(llm)
 
@@ -343,8 +343,7 @@ def test_forced_tie_in_a_model_matches_transformers(checkpoint_factory, tmp_path
     assert torch.allclose(our_logits(ours, PROMPTS[4]), expected, atol=1e-4, rtol=0)
     out = LLM(str(path), dtype="float32").generate(PROMPTS[:2], GREEDY)
     for prompt, o in zip(PROMPTS[:2], out):
-        assert o.outputs[0].token_ids == ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                                                      eos_token_id=None, min_new_tokens=24)[0, len(prompt):].tolist()
+        assert o.outputs[0].token_ids == hf_greedy(ref, prompt, 24)
 
 
 @pytest.mark.slow

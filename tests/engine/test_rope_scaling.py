@@ -17,6 +17,7 @@ from leverlab.layers.attention import AttentionMetadata, forward_context
 from leverlab.models.config import ModelConfig
 from leverlab.models.loader import load_model
 from tests.checkpoints import make_checkpoint, make_eagle_head
+from tests.engine.helpers import hf_greedy
 
 ORIGINAL = 64
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL}
@@ -117,8 +118,7 @@ def test_static_schemes_match_transformers_past_the_original_context(ckpt, name)
     # Decode steps past the original context: greedy tokens as transformers' generate.
     p = prompt(150, seed=1)
     out = llm.generate([p], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
-    want = ref.generate(torch.tensor([p]), max_new_tokens=30, do_sample=False, eos_token_id=None,
-                        min_new_tokens=30)[0, len(p):].tolist()
+    want = hf_greedy(ref, p, 30)
     assert out.outputs[0].token_ids == want
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
 
@@ -155,8 +155,7 @@ def test_dynamic_is_fixed_for_max_model_len(ckpt):
     short = engine(path, max_model_len=ORIGINAL)
     p = prompt(30, seed=2)
     out = short.generate([p], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
-    want = ref.generate(torch.tensor([p]), max_new_tokens=30, do_sample=False, eos_token_id=None,
-                        min_new_tokens=30)[0, len(p):].tolist()
+    want = hf_greedy(ref, p, 30)
     assert out.outputs[0].token_ids == want
 
 
@@ -168,8 +167,7 @@ def test_longrope_short_factors_when_max_model_len_stays_within_the_original(ckp
     close(engine_prompt_logprobs(llm, ids[:-1]), their_logprobs(hf_logits(ref, ids[:-1]), ids[:-1]))
     p = prompt(30, seed=3)
     out = llm.generate([p], SamplingParams(temperature=0, max_tokens=34, ignore_eos=True))[0]
-    want = ref.generate(torch.tensor([p]), max_new_tokens=34, do_sample=False, eos_token_id=None,
-                        min_new_tokens=34)[0, len(p):].tolist()
+    want = hf_greedy(ref, p, 34)
     assert out.outputs[0].token_ids == want
     # A short prompt under a long max_model_len takes the long factors (vLLM's rule), where transformers would
     # take the short ones: the logits differ.

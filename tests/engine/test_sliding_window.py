@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from leverlab import LLM, SamplingParams
+from tests.engine.helpers import hf_greedy
 
 PROMPTS = [list(range(10, 40)), [3, 4, 5], list(range(50, 63))]
 
@@ -19,8 +20,7 @@ def test_greedy_matches_transformers(checkpoint_factory, arch):
     assert llm.engine.model_config.layer_windows == ((8, 8) if arch == "mistral" else (None, 8))
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
-        expected = ref.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                                eos_token_id=None)[0, len(prompt):].tolist()
+        expected = hf_greedy(ref, prompt, 24)
         assert out.outputs[0].token_ids == expected
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
 
