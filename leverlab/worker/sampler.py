@@ -18,10 +18,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...],
     argmax: each row's argmax when the caller has it already (the fused step computes it with the logits)."""
     # Structured output: rows outside their grammar get -inf (in place); a token the grammar forces is taken
     # without a draw, so jump-forward (which appends it without a pass) gives the same tokens. The argmax is
-    # handed over only when greedy tokens will come from it (nothing below changes the logits): then greedy rows
-    # whose argmax the grammar allows skip the mask.
-    plain = argmax is not None and not any(
-        s.params.needs_logits_processing or len(s.output_token_ids) < s.params.min_tokens for s in seqs)
+    # handed over only when greedy tokens will come from it (nothing below changes the logits): then a greedy row
+    # without logprobs gets its token under the grammar without its row being masked.
+    plain = argmax is not None and not any(s.params.needs_logits_processing or _in_min_tokens(s) for s in seqs)
     masking = mask_batch(logits, seqs, argmax if plain else None)
     forced = None
     if masking is not None:
@@ -68,9 +67,14 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def _in_min_tokens(seq: Sequence) -> bool:
+    """Whether the sequence is still short of its min_tokens (its end tokens are banned this step)."""
+    return len(seq.output_token_ids) < seq.params.min_tokens
+
+
 def _apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> torch.Tensor:
     """Before min_tokens are out, end-of-sequence and stop tokens cannot be picked."""
-    rows = [i for i, s in enumerate(seqs) if len(s.output_token_ids) < s.params.min_tokens]
+    rows = [i for i, s in enumerate(seqs) if _in_min_tokens(s)]
     if not rows:
         return logits
     logits = logits.clone()
