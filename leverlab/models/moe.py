@@ -64,6 +64,7 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate.weight.requires_grad_(False)
         self.kernel = None  # the C++ MoeExperts over these experts (models/fused.py fused_moe), or None
         self.kernel_rows = 0  # the most tokens a step may have to take it
+        self.reads = None  # models/expert_reads.py ExpertReads: counts the experts decode passes read, or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.gate(x)
@@ -87,6 +88,8 @@ def group_by_expert(chosen: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
 @torch.compiler.disable  # an opaque native call, and the loop below: eager under --execution-mode compiled
 def routed_outputs(moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """expert_outputs(), in one C++ call when the layer has its kernel and the step is short enough."""
+    if moe.reads is not None:
+        moe.reads.record(moe, chosen)
     if moe.kernel is not None and x.dim() == 2 and x.shape[0] <= moe.kernel_rows:
         return moe.kernel.forward(x, weights, chosen)
     return expert_outputs(x, weights, chosen, moe.experts)

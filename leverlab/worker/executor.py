@@ -83,7 +83,7 @@ class LocalExecutor:
         return True
 
     def counters(self) -> dict[str, float]:
-        return {}
+        return self.runner.counters()
 
     def close(self) -> None:
         pass
@@ -211,7 +211,8 @@ class TPExecutor:
         """Engine counters (exported as leverlab_engine_<name>_total): time in communication on rank 0."""
         s = comm.STATS
         return {"tp_steps": self.steps, "tp_allreduce_seconds": s.allreduce_seconds, "tp_allreduces": s.allreduces,
-                "tp_gather_seconds": s.gather_seconds, "tp_broadcast_seconds": self.broadcast_seconds}
+                "tp_gather_seconds": s.gather_seconds, "tp_broadcast_seconds": self.broadcast_seconds,
+                **self.runner.counters()}  # rank 0's share of the weights (MoE reads: its slice)
 
     def close(self) -> None:
         """Tell the workers to leave, wait briefly, kill what remains, drop the groups. Idempotent."""

@@ -14,7 +14,7 @@ from leverlab.core.sequence import Sequence
 from leverlab.distributed.parallel_state import TPState, local_kv_heads
 from leverlab.layers import prefetch_tune
 from leverlab.layers.attention import AttentionMetadata, forward_context
-from leverlab.models import fused
+from leverlab.models import expert_reads, fused
 from leverlab.models.loader import DTYPES, load_model
 from leverlab.quant import kv_cache as kv_quant
 
@@ -82,6 +82,8 @@ class ModelRunner:
         self.fused_steps = 0  # steps that took it
         # A mixture-of-experts model keeps the module path, each sparse layer's hit experts in one C++ call.
         fused.fused_moe(self.model)
+        # Mixture of experts: the experts each decode pass's router chose, as bytes read (models/expert_reads.py).
+        self.expert_reads = expert_reads.attach(self.model)
         if config.execution_mode == "compiled":
             from leverlab.worker.compiled import compile_forward
 
@@ -172,6 +174,8 @@ class ModelRunner:
         nt = len(ids)
         fused = self.fused is not None and self.fused.takes(max(batch.num_new_tokens), nt)
         argmax = None
+        if self.expert_reads is not None:
+            self.expert_reads.begin(decode=len(sample_rows) == nt)  # every token sampled: decode or verification
         if fused and self.fused.takes_head(len(rows)):
             # The decoder and the head in one C++ call from plain lists: no tensors built here, logits as
             # compute_logits gives them, and their argmax for greedy sampling.
@@ -185,6 +189,8 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden).cpu()
             else:
                 logits = self.model.compute_logits(hidden[self._i64(rows)]).cpu() if rows else torch.empty(0, 0)
+        if self.expert_reads is not None:
+            self.expert_reads.end()
         prompt_logits, off = [], len(sample_rows)
         for seq, first, _, k in prompt_rows:
             prompt_logits.append((seq, first, logits[off:off + k]))
@@ -194,6 +200,11 @@ class ModelRunner:
             spans = [(s, s.num_computed_tokens, starts[i], n) for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))]
         return StepLogits(sample_seqs, logits[: len(sample_rows)], [1 + len(s.spec_token_ids) for s in sample_seqs],
                           prompt_logits, aux, spans, argmax[: len(sample_rows)] if argmax is not None else None)
+
+    def counters(self) -> dict[str, float]:
+        """This runner's engine counters: a mixture-of-experts model's decode passes, the experts they read and
+        their weight bytes (models/expert_reads.py); none for a dense model."""
+        return self.expert_reads.counters() if self.expert_reads is not None else {}
 
     def _i64(self, x) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.int64, device=self.device)
