@@ -3,7 +3,8 @@
 Counter names differ between servers (ours, vLLM's `vllm:` family, llama.cpp's `llamacpp:`), so nothing
 here knows a specific name: every counter sample and every histogram/summary _sum and _count is diffed,
 and the lever-relevant ones are picked out by name (prefix cache; speculative decoding / drafts /
-acceptance). A server without /metrics gives None everywhere, never an error.
+acceptance; a mixture-of-experts model's expert reads). A server without /metrics gives None everywhere, never
+an error.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 HIGHLIGHT_PATTERNS = {
     "prefix_cache": re.compile(r"prefix[_-]?cache", re.I),
     "spec_decode": re.compile(r"spec[_-]?decod|draft|accept", re.I),
+    "moe": re.compile(r"moe_", re.I),  # LeverLab's leverlab_engine_moe_*_total (models/expert_reads.py)
 }
 
 
@@ -110,4 +112,17 @@ def highlights(d: dict[str, float] | None) -> dict | None:
         drafted = _sum_matching(sd, "draft_tokens")
         if accepted is not None and drafted:
             out["draft_acceptance_rate"] = accepted / drafted
+    per_pass = moe_bytes_per_pass(d)
+    if per_pass is not None:
+        out["moe_weight_bytes_per_pass"] = per_pass
     return out or None
+
+
+def moe_bytes_per_pass(d: dict[str, float] | None) -> float | None:
+    """Weight bytes per decode pass that a mixture-of-experts model's server counted from its router's choices
+    (weight bytes read / decode passes), or None where it reports none."""
+    if not d:
+        return None
+    read = sum(v for k, v in d.items() if k.split("{")[0].endswith("moe_weight_bytes_read_total"))
+    passes = sum(v for k, v in d.items() if k.split("{")[0].endswith("moe_decode_passes_total"))
+    return read / passes if read and passes else None

@@ -13,6 +13,8 @@ Engine stats are read from `engine.stats()` at scrape time, by attribute name, t
     counters: dict[str, float]                  monotonic counters the levers add, exported as
                                                 leverlab_engine_<name>_total (prefix_cache_queries, prefix_cache_hits,
                                                 spec_draft_tokens, spec_accepted_tokens, preemptions, ...)
+                                                mixture of experts: moe_decode_passes, moe_experts_read,
+                                                moe_weight_bytes_read (COUNTER_HELP; models/expert_reads.py)
     replicas                                    data parallelism: [(index, alive, stats)], exported per replica as
                                                 leverlab_replica_*{replica="i"} (the unlabelled samples are sums)
 """
@@ -113,6 +115,19 @@ E2E_BUCKETS = (
 )
 PHASES = ("tokenize", "queue", "prefill", "decode", "detokenize")
 
+# Help texts of the engine counters whose meaning the name alone does not carry (others: "Engine counter <name>.").
+# Mixture of experts: weight bytes per decode pass = moe_weight_bytes_read / moe_decode_passes (rate over rate).
+COUNTER_HELP = {
+    "moe_decode_passes": "Decode passes (every token sampled: decode, verification) of a mixture-of-experts model "
+                         "whose routed experts were counted.",
+    "moe_experts_read": "Distinct routed experts those decode passes read, summed over sparse layers and passes "
+                        "(an expert several sequences chose counts once per pass).",
+    "moe_weight_bytes_read": "Weight bytes those decode passes read: attention, norms, routers, shared experts and "
+                             "head, plus each hit expert at its quantized layout.",
+    "moe_decode_passes_uncounted": "Decode passes left out of the expert counts (some sparse layer ran where the "
+                                   "router's choices could not be seen).",
+}
+
 
 class _EngineCollector(Collector):
     """Gauges and engine-side counters, read from engine.stats() on every scrape."""
@@ -157,7 +172,7 @@ class _EngineCollector(Collector):
         yield from g("leverlab_kv_cache_usage_perc", "KV cache usage, 0..1 (blocks held by requests).", usage)
         for name, value in sorted((_get(st, "counters") or {}).items()):
             metric = "leverlab_engine_" + re.sub(r"[^a-zA-Z0-9_]", "_", str(name)).removesuffix("_total")
-            c = CounterMetricFamily(metric, f"Engine counter {name}.")
+            c = CounterMetricFamily(metric, COUNTER_HELP.get(name, f"Engine counter {name}."))
             c.add_metric([], float(value))
             yield c
         yield from _per_replica(_get(st, "replicas"))

@@ -182,3 +182,21 @@ def test_a_coalesced_stream_has_no_decode_rate():
     assert agg["decode_tok_s"]["n"] == 1 and agg["decode_tok_s"]["p50"] == pytest.approx(10.0)
     assert agg["tpot_ms"]["n"] == 2
     assert not metrics.coalesced(rec(2, ttft=0.1, e2e=0.2, out=3, itl=[0.1]))  # short outputs say nothing
+
+
+def test_moe_weight_bytes_per_pass_from_a_scrape():
+    """The harness derives a mixture-of-experts server's weight bytes per decode pass from its counters' deltas."""
+    from leverlab.bench import prometheus
+
+    text = (
+        "# TYPE leverlab_engine_moe_decode_passes counter\nleverlab_engine_moe_decode_passes_total 10.0\n"
+        "# TYPE leverlab_engine_moe_decode_passes_uncounted counter\n"
+        "leverlab_engine_moe_decode_passes_uncounted_total 0.0\n"
+        "# TYPE leverlab_engine_moe_weight_bytes_read counter\nleverlab_engine_moe_weight_bytes_read_total 5000.0\n"
+    )
+    before = prometheus.parse(text)
+    after = prometheus.parse(text.replace(" 10.0", " 14.0").replace(" 5000.0", " 7000.0"))
+    h = prometheus.highlights(prometheus.deltas(before, after))
+    assert h["moe_weight_bytes_per_pass"] == 500.0
+    assert set(h["moe"]) == {"leverlab_engine_moe_decode_passes_total", "leverlab_engine_moe_weight_bytes_read_total"}
+    assert prometheus.moe_bytes_per_pass({"leverlab_engine_steps_total": 3.0}) is None
