@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from leverlab.bench import prometheus
 from leverlab.study import fidelity as F
 from leverlab.study.plan import Levers, Step
 
@@ -93,6 +94,8 @@ def config_metrics(summary: dict[str, Any], sweep_bucket: str) -> dict[str, Any]
     # Tensor parallel: seconds rank 0 spent in all-reduces, and its steps (leverlab_engine_tp_*_total).
     ar, tp_steps = _counter(single_d, "tp_allreduce_seconds"), _counter(single_d, "tp_steps")
     m["allreduce_s_per_pass"] = ar / tp_steps if ar is not None and tp_steps else None
+    # Mixture of experts: weight bytes per decode pass, counted from the router's choices (leverlab_engine_moe_*).
+    m["weight_bytes_per_pass"] = prometheus.moe_bytes_per_pass(single_d)
     m["acceptance_rate"] = (
         (m["accepted"] / m["drafted"]) if m["accepted"] is not None and m["drafted"] else None
     )
@@ -101,6 +104,7 @@ def config_metrics(summary: dict[str, Any], sweep_bucket: str) -> dict[str, Any]
     top_d = (((top[0].get("prometheus") or {}).get("deltas")) or {}) if top else {}
     m["generated_cmax"] = _counter(top_d, "generation_tokens")
     m["accepted_cmax"] = _counter(top_d, "accepted_tokens", exclude=("pos",))
+    m["weight_bytes_per_pass_cmax"] = prometheus.moe_bytes_per_pass(top_d)
     run_h = ((summary.get("prometheus") or {}).get("highlights")) or {}
     m["prefix_cache_hit_rate"] = run_h.get("prefix_cache_hit_rate")
     m["request_errors"] = sum(g["errors"] for g in summary["groups"])
@@ -187,6 +191,8 @@ def analyze(out_dir: Path, price_per_hour: float | None = None) -> dict[str, Any
                     "generated_load": m.get("generated_cmax"),
                     "accepted_load": m.get("accepted_cmax"),
                     "measured_rps_load": m.get("rps_cmax"),
+                    "weight_bytes_per_pass": m.get("weight_bytes_per_pass"),
+                    "weight_bytes_per_pass_load": m.get("weight_bytes_per_pass_cmax"),
                 }
             )
         cmax = max(plan.get("concurrency") or [1])

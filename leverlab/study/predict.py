@@ -15,6 +15,14 @@ drafts). So:
     tp_steps from its counters) when the configuration ran: bytes alone would promise TP a free split.
 The predicted speedup of a configuration over its parent is the ratio of those rates; the report puts it
 beside the measured ratio and explains large gaps.
+
+A mixture-of-experts pass reads only the experts its tokens chose. Where the server counted them (LeverLab's
+leverlab_engine_moe_weight_bytes_read_total / leverlab_engine_moe_decode_passes_total over the configuration's
+run: models/expert_reads.py), those measured weight bytes per pass replace the weight terms above, at the
+configuration's own precision and (under tensor parallelism) rank 0's share as measured; the KV term stays. Where
+it did not (another engine, an older server), the estimate stands: attention + shared experts + num_experts_per_tok
+experts per sparse layer (ModelConfig active_params), right at one sequence, low for a batch, whose tokens pick more
+distinct experts; the report labels which one each row used (weight_bytes_source).
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ class ModelFacts:
     kv_heads: int
     head_dim: int
     head_params: int = 0  # the output head's weights (vocab x hidden), read once per pass
+    moe: bool = False  # a mixture of experts: linear_params counts the experts one token reads (an estimate)
 
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelFacts:
@@ -58,11 +67,11 @@ class ModelFacts:
         c = ModelConfig.from_folder(path)
         # A mixture-of-experts model's pass reads the weights its tokens route to, not all of them: the active
         # count (shared expert + top-k experts per sparse layer + attention + embeddings) is the estimate at one
-        # sequence. A batch's tokens pick more distinct experts; the router's measured choices per step (a later
-        # stage: a server metric) will replace this estimate there.
+        # sequence. A batch's tokens pick more distinct experts; predict_all uses the bytes the server measured
+        # from the router's choices where it has them.
         linear = c.linear_params(active=True)
         return cls(linear, c.num_params(active=True) - linear, c.num_layers, c.num_kv_heads, c.head_dim,
-                   c.vocab_size * c.hidden_size)
+                   c.vocab_size * c.hidden_size, c.is_moe)
 
     @property
     def num_params(self) -> int:
@@ -99,15 +108,25 @@ def kv_bytes_per_token(facts: ModelFacts, levers: Levers) -> float:
     return facts.num_layers * 2 * facts.kv_heads * per_head
 
 
-def bytes_per_pass(facts: ModelFacts, levers: Levers, context: float, batch: int = 1) -> float:
-    weights = (
-        facts.linear_params * weight_bits(levers) / 8
-        + facts.head_params * head_bits(levers) / 8
-        + (facts.other_params - facts.head_params) * DTYPE_BITS[levers.dtype] / 8
-    )
-    # Tensor parallelism splits the weight reads over devices (each reads 1/tp of them, in parallel).
-    weights /= max(1, levers.tensor_parallel_size)
+def bytes_per_pass(facts: ModelFacts, levers: Levers, context: float, batch: int = 1,
+                   weights: float | None = None) -> float:
+    """weights: the weight bytes per pass the server measured (a mixture of experts' router-counted reads: already
+    at this precision and rank 0's share), in place of the estimate from the model's facts."""
+    if weights is None:
+        weights = (
+            facts.linear_params * weight_bits(levers) / 8
+            + facts.head_params * head_bits(levers) / 8
+            + (facts.other_params - facts.head_params) * DTYPE_BITS[levers.dtype] / 8
+        )
+        # Tensor parallelism splits the weight reads over devices (each reads 1/tp of them, in parallel).
+        weights /= max(1, levers.tensor_parallel_size)
     return weights + batch * context * kv_bytes_per_token(facts, levers)
+
+
+def weight_bytes_source(facts: ModelFacts, measured: float | None) -> str:
+    """How a row's weight bytes were found: "measured" (the server counted a mixture of experts' reads), "estimate"
+    (a mixture of experts without that count: top-k experts per token), "model" (a dense model: every weight)."""
+    return "measured" if measured else "estimate" if facts.moe else "model"
 
 
 def tokens_per_pass(generated: float | None, accepted: float | None) -> float:
@@ -126,14 +145,17 @@ def predict_all(
 ) -> dict[str, dict[str, Any]]:
     """configs: [{name, parent, levers: Levers, measured_decode_tok_s, generated, accepted}] in plan order,
     the first being the baseline; optionally allreduce_s_per_pass (measured, tensor parallel); optionally generated_load / accepted_load / measured_rps_load (the counters
-    and requests/s at concurrency `batch`). Returns name -> prediction (missing measurements give None).
+    and requests/s at concurrency `batch`); optionally weight_bytes_per_pass / weight_bytes_per_pass_load (a
+    mixture of experts' weight bytes per decode pass as the server counted them, at one stream and at `batch`).
+    Returns name -> prediction (missing measurements give None).
 
     Under load the model predicts only a ratio against the parent: B sequences share one weight read, so
     throughput ~ tokens_per_pass(B) / bytes_per_pass(B), where bytes grow with B's KV caches."""
     bw = bandwidth_gbs * 1e9
     out: dict[str, dict[str, Any]] = {}
     base = configs[0]
-    base_bytes = bytes_per_pass(facts, base["levers"], context)
+    base_f = facts_of(base["levers"]) if facts_of else facts
+    base_bytes = bytes_per_pass(base_f, base["levers"], context, weights=base.get("weight_bytes_per_pass"))
     base_meas = base.get("measured_decode_tok_s")
     base_tpp = tokens_per_pass(base.get("generated"), base.get("accepted"))
     # t_fixed: the part of the baseline's pass time that the bytes do not explain.
@@ -144,7 +166,8 @@ def predict_all(
     for c in configs:
         lv: Levers = c["levers"]
         f = facts_of(lv) if facts_of else facts  # the model lever serves another model: its own bytes
-        b = bytes_per_pass(f, lv, context)
+        measured_w = c.get("weight_bytes_per_pass")
+        b = bytes_per_pass(f, lv, context, weights=measured_w)
         tpp = tokens_per_pass(c.get("generated"), c.get("accepted"))
         roof = tpp * bw / b
         t_comm = c.get("allreduce_s_per_pass") or 0.0  # measured all-reduce seconds per pass (TP only)
@@ -152,6 +175,7 @@ def predict_all(
         meas = c.get("measured_decode_tok_s")
         p = {
             "bytes_per_pass": b,
+            "weight_bytes_source": weight_bytes_source(f, measured_w),
             "weight_bits": weight_bits(lv),
             "byte_ratio_vs_baseline": base_bytes / b,
             "tokens_per_pass": tpp,
@@ -165,7 +189,9 @@ def predict_all(
         }
         tpp_load = tokens_per_pass(c.get("generated_load"), c.get("accepted_load"))
         p["tokens_per_pass_load"] = tpp_load
-        p["load_rate_index"] = tpp_load / bytes_per_pass(f, lv, context, batch)  # relative only
+        w_load = c.get("weight_bytes_per_pass_load")
+        p["load_rate_index"] = tpp_load / bytes_per_pass(f, lv, context, batch, weights=w_load)  # relative only
+        p["load_weight_bytes_source"] = weight_bytes_source(f, w_load)
         p["measured_rps_load"] = c.get("measured_rps_load")
         parent = out.get(c.get("parent") or "")
         if parent:

@@ -95,6 +95,7 @@ def test_model_facts_of_a_mixture_of_experts_count_the_active_experts(checkpoint
     per_layer = h * (q + 2 * kv) + q * h + 2 * 3 * h * c.moe_intermediate_size  # attention + two experts
     assert f.linear_params == c.num_layers * per_layer
     assert f.num_params == c.num_params(active=True) < c.num_params()
+    assert f.moe and not ModelFacts.from_folder(checkpoint_factory("qwen3")).moe
 
 
 def test_load_prediction_is_a_ratio_of_tokens_per_byte_at_the_batch():
@@ -130,3 +131,22 @@ def test_tensor_parallel_prediction_pays_the_measured_allreduce():
     assert paid["calibrated_tok_s"] == pytest.approx(1 / (t_fixed + 1_200_000 / 10e9 + 0.5e-3))
     assert paid["predicted_speedup_vs_parent"] < free["predicted_speedup_vs_parent"]
     assert "all-reduces" in paid["gap"]
+
+
+def test_a_mixture_of_experts_uses_the_measured_weight_bytes_where_the_server_counted_them():
+    """Measured weight bytes per pass (the router-counted reads) replace the estimate, KV added, no further split
+    under TP (they are rank 0's share already); a row without them keeps the estimate, labelled as one."""
+    moe = ModelFacts(linear_params=1_000_000, other_params=200_000, num_layers=2, kv_heads=2, head_dim=64, moe=True)
+    base = {"name": "base", "parent": None, "levers": Levers(), "measured_decode_tok_s": 100.0,
+            "weight_bytes_per_pass": 3_000_000.0, "weight_bytes_per_pass_load": 5_000_000.0}
+    int8 = {"name": "int8", "parent": "base", "levers": Levers(quantization="int8"), "measured_decode_tok_s": 150.0}
+    p = predict_all([base, int8], moe, 10.0, context=100, batch=4)
+    assert p["base"]["bytes_per_pass"] == 3_000_000 + 102_400
+    assert p["base"]["weight_bytes_source"] == "measured" and p["base"]["load_weight_bytes_source"] == "measured"
+    assert p["base"]["load_rate_index"] == pytest.approx(1 / (5_000_000 + 4 * 102_400))
+    assert p["base"]["roofline_tok_s"] == pytest.approx(10e9 / (3_000_000 + 102_400))
+    assert p["int8"]["weight_bytes_source"] == "estimate"
+    assert p["int8"]["bytes_per_pass"] == bytes_per_pass(moe, Levers(quantization="int8"), 100)
+    assert bytes_per_pass(moe, Levers(tensor_parallel_size=2), 0, weights=1e6) == 1e6
+    dense = predict_all([{**base, "weight_bytes_per_pass": None}], FACTS, 10.0, context=100)
+    assert dense["base"]["weight_bytes_source"] == "model"

@@ -223,6 +223,14 @@ def predictions(d: Doc, a: dict[str, Any], view: View) -> None:
             "(generated / (generated - accepted drafts)). Roofline = tokens per pass x bandwidth / bytes; "
             "calibrated = tokens per pass / (fixed cost + bytes / bandwidth), the fixed cost fitted once on the baseline."
         )
+        if mf.get("moe"):
+            d.p(
+                "A mixture of experts: a pass reads only the experts its tokens chose. The matmul weights above count "
+                "num_experts_per_tok experts per sparse layer, an estimate (right at one sequence, low for a batch). "
+                "Where the server counted the experts each decode pass's router chose "
+                "(leverlab_engine_moe_weight_bytes_read_total / leverlab_engine_moe_decode_passes_total), those "
+                "measured weight bytes replace the estimate; MB / pass says which each row used."
+            )
     rows = []
     for c in configs:
         p = c.get("prediction")
@@ -232,7 +240,7 @@ def predictions(d: Doc, a: dict[str, Any], view: View) -> None:
             [
                 c["name"],
                 fmt(p["weight_bits"], ".1f"),
-                fmt(p["bytes_per_pass"] / 1e6, ".1f"),
+                fmt(p["bytes_per_pass"] / 1e6, ".1f") + _bytes_label(p),
                 fmt(p["tokens_per_pass"], ".2f"),
                 fmt(p["roofline_tok_s"], ".0f"),
                 fmt(p.get("calibrated_tok_s"), ".1f"),
@@ -259,6 +267,12 @@ def predictions(d: Doc, a: dict[str, Any], view: View) -> None:
         ],
         rows,
     )
+
+
+def _bytes_label(p: dict[str, Any]) -> str:
+    """A mixture of experts' MB / pass: whether the weight bytes were measured from the router or estimated."""
+    source = p.get("weight_bytes_source")
+    return f" ({source})" if source in ("measured", "estimate") else ""
 
 
 def fidelity(d: Doc, a: dict[str, Any], view: View) -> None:
