@@ -72,7 +72,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_decode import aggregate_decode  # noqa: E402
-from bench_quant import step_weight_bytes  # noqa: E402
+from bench_quant import expert_counts, hit_experts_per_layer, step_weight_bytes  # noqa: E402
 from server_proc import free_port, stop, wait_ready  # noqa: E402
 
 from leverlab.bench import peer_llamacpp, peer_vllm  # noqa: E402
@@ -146,16 +146,31 @@ class OursEngine:
         self.llm.generate([[7] * args.prefill_len], self.params(4))
         self.setup_s = time.perf_counter() - t0
         self.mode = self.llm.engine.config.execution_mode
-        self.weight_bytes = step_weight_bytes(self.llm.engine.runner.model, 1)
-        self.prefetch = stream_prefetch_modes(self.llm.engine.runner.model)
+        model = self.llm.engine.runner.model
+        experts = self.llm.engine.model_config.num_experts  # a mixture of experts: every expert, then routed_bytes
+        self.weight_bytes = step_weight_bytes(model, 1, hit_experts=experts or None)
+        self.routed_bytes = routed_expert_bytes(model)
+        self.prefetch = stream_prefetch_modes(model)
 
-    def measure(self, key: str, prompts: list[list[int]], decode_len: int) -> float:
-        """tok/s: prefill = prompt tokens / TTFT; decode = tokens after each sequence's first over the span
-        after every sequence had its first (prefill stays out)."""
+    def measure(self, key: str, prompts: list[list[int]], decode_len: int) -> tuple[float, float | None]:
+        """(tok/s, the routed experts per sparse layer its decode passes read, as the engine counted them; None for
+        a dense model). tok/s: prefill = prompt tokens / TTFT; decode = tokens after each sequence's first over the
+        span after every sequence had its first (prefill stays out)."""
         if key == "prefill":
             (out,) = self.llm.generate(prompts, self.params(1))
-            return len(prompts[0]) / out.metrics.ttft
-        return aggregate_decode(self.llm.generate(prompts, self.params(decode_len)))[0]
+            return len(prompts[0]) / out.metrics.ttft, None
+        runner = self.llm.engine.runner
+        before = expert_counts(runner)
+        tok_s = aggregate_decode(self.llm.generate(prompts, self.params(decode_len)))[0]
+        return tok_s, hit_experts_per_layer(runner, before)
+
+
+def routed_expert_bytes(model) -> int:
+    """Bytes of all a mixture of experts' routed experts in their loaded layout (0 for a dense model)."""
+    from leverlab.models.expert_reads import expert_bytes
+    from leverlab.models.moe import SparseMoE
+
+    return sum(expert_bytes(m) * len(m.experts) for m in model.modules() if isinstance(m, SparseMoE))
 
 
 def stream_prefetch_modes(model) -> dict[str, str]:
@@ -176,9 +191,10 @@ def _ours_worker(conn, model: str, precision: str, cfg: dict) -> None:
     try:
         eng = OursEngine(model, precision, argparse.Namespace(**cfg))
         conn.send({"setup_s": eng.setup_s, "weight_bytes": eng.weight_bytes, "mode": eng.mode,
-                   "prefetch": eng.prefetch})
+                   "prefetch": eng.prefetch, "routed_bytes": eng.routed_bytes})
         while (msg := conn.recv()) is not None:
-            conn.send({"tok_s": eng.measure(*msg, cfg["decode_len"])})
+            tok_s, hit = eng.measure(*msg, cfg["decode_len"])
+            conn.send({"tok_s": tok_s, "hit": hit})
     except Exception as e:  # reported to the parent, which goes on without this precision
         conn.send({"error": f"{type(e).__name__}: {e}"})
 
@@ -201,7 +217,8 @@ class Ours:
         child.close()
         reply = self._recv()
         self.setup_s, self.weight_bytes, self.mode = reply["setup_s"], reply["weight_bytes"], reply["mode"]
-        self.prefetch = reply["prefetch"]
+        self.prefetch, self.routed_bytes = reply["prefetch"], reply["routed_bytes"]
+        self.hits: dict[str, float] = {}  # measurement -> routed experts per sparse layer per decode pass (MoE)
 
     def _recv(self) -> dict:
         try:
@@ -215,7 +232,10 @@ class Ours:
 
     def measure(self, key: str, prompts: list[list[int]]) -> float:
         self.conn.send((key, prompts))
-        return self._recv()["tok_s"]
+        reply = self._recv()
+        if reply["hit"] is not None:
+            self.hits[key] = reply["hit"]
+        return reply["tok_s"]
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -254,8 +274,13 @@ class Peer:
         raise NotImplementedError
 
     def weight_bytes(self, prec: str) -> int | None:
-        """Bytes of weights one decode step reads (the roofline's numerator with the KV cache)."""
+        """Bytes of weights one decode step reads (the roofline's numerator with the KV cache); of a mixture of
+        experts, every expert's (step_weights takes out those a step does not read)."""
         raise NotImplementedError
+
+    def routed_bytes(self, prec: str) -> int | None:
+        """Of a mixture of experts, the bytes of all its routed experts in this peer's weights (None: unknown)."""
+        return None
 
     def binding(self, args) -> str:
         """How its threads are set and bound, as printed and kept in the JSON."""
@@ -294,6 +319,9 @@ class LlamaCpp(Peer):
 
     def weight_bytes(self, prec: str) -> int | None:
         return peer_llamacpp.gguf_weight_bytes(self.ggufs[prec], self.root)
+
+    def routed_bytes(self, prec: str) -> int | None:
+        return peer_llamacpp.gguf_weight_bytes(self.ggufs[prec], self.root, experts_only=True)
 
     def binding(self, args) -> str:
         return f"-t {args.threads} (its threads unpinned)"
@@ -342,14 +370,16 @@ class LlamaCpp(Peer):
 VLLM_FORMATS = {"bf16": "bf16", "int8": "W8A8 int8 (compressed-tensors)", "int4": "AWQ int4, group 64"}
 
 
-def safetensors_bytes(folder: Path) -> int:
-    """The tensor bytes of a folder's safetensors files, read from their headers (8-byte length, then JSON)."""
+def safetensors_bytes(folder: Path, experts_only: bool = False) -> int:
+    """The tensor bytes of a folder's safetensors files, read from their headers (8-byte length, then JSON);
+    experts_only: a mixture of experts' routed experts only (Hugging Face's `.experts.N.` tensors)."""
     total = 0
     for f in sorted(Path(folder).glob("*.safetensors")):
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
-        total += sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items() if k != "__metadata__")
+        total += sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items()
+                     if k != "__metadata__" and (not experts_only or ".experts." in k))
     return total
 
 
@@ -486,6 +516,9 @@ class Vllm(Peer):
 
     def weight_bytes(self, prec: str) -> int | None:
         return safetensors_bytes(self.folders[prec]) if prec in self.folders else None
+
+    def routed_bytes(self, prec: str) -> int | None:
+        return safetensors_bytes(self.folders[prec], experts_only=True) if prec in self.folders else None
 
     def binding(self, args) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.bind_env(args).items() if k != "VLLM_CPU_KVCACHE_SPACE")
@@ -652,6 +685,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"unknown precision(s) {unknown}; known: {list(PRECISIONS)}")
     args.model = str(Path(args.model).resolve())
     args.kv_bytes_per_token = kv_bytes_per_token(args.model)
+    args.moe = moe_facts(args.model)
     return args
 
 
@@ -703,7 +737,16 @@ def main() -> int:
             pr.start(args, out.with_suffix(""))
         weight_bytes = {p: {OURS: ours[p].weight_bytes if ours[p] else None,
                             **{name: pr.weight_bytes(p) for name, pr in peers.items()}} for p in args.precisions}
+        if args.moe:
+            args.moe["routed_bytes"] = {p: {OURS: ours[p].routed_bytes if ours[p] else None,
+                                            **{name: pr.routed_bytes(p) for name, pr in peers.items()}}
+                                        for p in args.precisions}
         best = run_rounds(args, ours, peers, result["rounds"], out.with_suffix(""))
+        if args.moe:  # the experts our router chose in each decode measurement (the last round's)
+            rows = {"decode": 1, "decode16": args.batch}
+            args.moe["hits"] = {p: {rows[k]: h for k, h in ours[p].hits.items() if k in rows}
+                                for p in args.precisions if ours.get(p)}
+            result["moe"] = args.moe
         if "decode" in args.measurements:
             prompt = random_ids(torch.Generator().manual_seed(1), args.prompt_len, vocab_size(args.model))
             try:
@@ -832,6 +875,36 @@ def decode_context(args) -> float:
     return args.prompt_len + args.decode_len / 2
 
 
+def step_weights(args, prec: str, engine: str, batch, total: int | None) -> float | None:
+    """The weight bytes one decode step of `batch` sequences ("batch": --batch; None: one) reads of an engine whose
+    weights are `total` bytes. A dense model: all of them. A mixture of experts: all but the routed experts the step
+    does not read; the share it reads is the experts per sparse layer our engine counted its router choosing in the
+    same measurement (args.moe_hits), the same routing in every engine; where ours did not measure it, top-k at one
+    sequence and, for a batch, the expectation under uniform routing, E * (1 - (1 - k/E)^n)."""
+    moe = args.moe
+    if not moe or total is None:
+        return total
+    routed = moe["routed_bytes"].get(prec, {}).get(engine)
+    if routed is None:
+        return total
+    n = args.batch if batch == "batch" else (batch or 1)
+    e, k = moe["experts"], moe["top_k"]
+    hit = moe["hits"].get(prec, {}).get(n)
+    if hit is None:
+        hit = k if n == 1 else e * (1 - (1 - k / e) ** n)
+    return total - routed * (1 - hit / e)
+
+
+def moe_facts(model: str) -> dict | None:
+    """{experts, top_k, routed_bytes: {precision: {engine: bytes}}, hits: {precision: {sequences: experts per
+    sparse layer}}} for a mixture-of-experts checkpoint (filled in as the run learns them), else None."""
+    from leverlab.models.config import ModelConfig
+
+    c = ModelConfig.from_folder(model)
+    return {"experts": c.num_experts, "top_k": c.num_experts_per_tok, "routed_bytes": {}, "hits": {}} \
+        if c.is_moe else None
+
+
 def step_bytes(weight_bytes: int, batch: int, args, with_kv: bool = True) -> float:
     """What one decode step of `batch` sequences reads: the weights once, and (with_kv) every sequence's KV cache."""
     return weight_bytes + (batch * decode_context(args) * args.kv_bytes_per_token if with_kv else 0)
@@ -854,7 +927,8 @@ def shares_both_ways(best: dict, weight_bytes: dict, bw: float, args) -> dict:
     for p in args.precisions:
         for key, m in MEASUREMENTS.items():
             for eng, v in best.get(p, {}).get(key, {}).items():
-                both = {name: roofline_share(v, weight_bytes[p].get(eng), m.roof, bw, args, with_kv)
+                w = step_weights(args, p, eng, m.roof, weight_bytes[p].get(eng))
+                both = {name: roofline_share(v, w, m.roof, bw, args, with_kv)
                         for name, with_kv in (("with_kv", True), ("weights_only", False))}
                 if any(x is not None for x in both.values()):
                     out.setdefault(p, {}).setdefault(key, {})[eng] = both
@@ -872,7 +946,9 @@ def print_block_shares(rounds: list, weight_bytes: dict, args) -> None:
     for r in rounds:
         if r["measurement"] not in MEASUREMENTS:
             continue
-        bw, wb = bws.get((r["round"], r["precision"])), weight_bytes[r["precision"]].get(r["engine"])
+        bw = bws.get((r["round"], r["precision"]))
+        wb = step_weights(args, r["precision"], r["engine"], MEASUREMENTS[r["measurement"]].roof,
+                          weight_bytes[r["precision"]].get(r["engine"]))
         v = roofline_share(r["tok_s"], wb, MEASUREMENTS[r["measurement"]].roof, bw, args)
         if v is not None:
             k = (r["precision"], r["measurement"], r["engine"])
@@ -1017,11 +1093,17 @@ def print_table(best: dict, weight_bytes: dict, bw: float, args, formats: dict |
                 r = speed_ratio(key, b.get(OURS), b.get(e))
                 cells += [fmt(b.get(e)), f"{r:.2f}x" if r else "-"]
             for e in names:
-                share = roofline_share(b.get(e), weight_bytes[p].get(e), m.roof, bw, args)
+                share = roofline_share(b.get(e), step_weights(args, p, e, m.roof, weight_bytes[p].get(e)), m.roof,
+                                       bw, args)
                 cells.append(f"{100 * share:.0f}%" if share is not None else "-")
             print("| " + " | ".join(cells) + " |")
     for p in args.precisions:
         mb = {e: f"{w / 1e6:.1f} MB" if w else "?" for e, w in weight_bytes[p].items()}
+        if args.moe:  # what a step reads: one sequence's experts, and a batch's
+            mb = {e: " / ".join(f"{w / 1e6:.1f}" if w else "?" for w in (
+                step_weights(args, p, e, 1, weight_bytes[p].get(e)),
+                step_weights(args, p, e, "batch", weight_bytes[p].get(e)))) + f" MB at 1 / {args.batch} sequences"
+                for e in weight_bytes[p]}
         fm = (formats or {}).get(p, {})
         each = ", ".join(f"{LABELS[e]} {mb.get(e, '?')}" + (f" ({fm[e]})" if e in fm else "") for e in names)
         print(f"  {p}: weights read per step: {each}; KV cache {kv_mb:.1f} MB a sequence")

@@ -4,7 +4,8 @@ beside the bytes it reads and its roofline, in one run.
 For each precision (bf16, then --quantization int8 / int4 / ...): single-stream decode tok/s and aggregate
 decode tok/s at batch 16 through the engine (default: the compiled fast path), the weight bytes one decode
 step reads (measured from the loaded model's tensors: the kernel layouts, scales included; the tied output
-head counted once), the KV bytes it reads, and the roofline = memory bandwidth / bytes per step. Ratios
+head counted once; of a mixture of experts, the routed experts the engine counted its decode steps reading), the KV
+bytes it reads, and the roofline = memory bandwidth / bytes per step. Ratios
 against bf16 in the same run are what to compare; these machines are shared and noisy.
 Reference on this machine class (anchors): llama.cpp decodes 27.3 tok/s in bf16, 43.6 in Q8_0, 65.0 in Q4_0.
 Bars: int8 >= 1.4x bf16 single-stream, int4 >= 1.8x, neither slower than bf16 at batch 16.
@@ -31,21 +32,47 @@ sys.path.insert(0, str(ROOT / "scripts"))
 BARS_B1 = {"int8": 1.4, "int4": 1.8}
 
 
-def step_weight_bytes(model, rows: int) -> int:
+def step_weight_bytes(model, rows: int, hit_experts: float | None = None) -> int:
     """Bytes of weights one forward of `rows` rows reads: every Linear in the layout its path uses, plus norms.
-    The embedding lookup reads `rows` rows only (negligible); a tied head is the embedding, counted once."""
+    The embedding lookup reads `rows` rows only (negligible); a tied head is the embedding, counted once.
+    Of a mixture of experts, the routed experts the step reads: `hit_experts` per sparse layer (measured: the
+    engine's counters, hit_experts_per_layer), by default num_experts_per_tok, one sequence's read; plus the
+    routers (models/expert_reads.py counts the same way in the engine)."""
     from leverlab.layers.linear import Linear
+    from leverlab.models.expert_reads import expert_bytes
+    from leverlab.models.moe import Router, SparseMoE
 
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    routed = {id(e) for moe in moes for e in moe.experts.modules()}
     total = 0
     for m in model.modules():
+        if id(m) in routed:
+            continue
         if isinstance(m, Linear):
             if m.quant_method is not None:
                 total += m.quant_method.bytes_read(m, rows)
             else:
                 total += sum(p.numel() * p.element_size() for p in m.parameters())
-        elif type(m).__name__ == "RMSNorm":
+        elif type(m).__name__ == "RMSNorm" or isinstance(m, Router | torch.nn.Linear):  # (a shared expert's gate)
             total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    for moe in moes:
+        total += round((moe.gate.top_k if hit_experts is None else hit_experts) * expert_bytes(moe))
     return total
+
+
+def expert_counts(runner) -> tuple[int, int] | None:
+    """The engine's counts so far of a mixture of experts' decode passes and the experts they read (None: dense)."""
+    reads = runner.expert_reads
+    return None if reads is None else (reads.passes, reads.experts)
+
+
+def hit_experts_per_layer(runner, before: tuple[int, int] | None) -> float | None:
+    """The distinct routed experts each sparse layer read per decode pass since expert_counts() gave `before`, as
+    the engine counted them from its router (models/expert_reads.py); None for a dense model or no decode pass."""
+    reads = runner.expert_reads
+    if reads is None or before is None or reads.passes == before[0]:
+        return None
+    return (reads.experts - before[1]) / (reads.passes - before[0]) / len(reads.per_expert)
 
 
 def run(path: str, method: str, mode: str, kv: str, prompt_len: int, decode_len: int, batch: int) -> dict:
@@ -63,15 +90,19 @@ def run(path: str, method: str, mode: str, kv: str, prompt_len: int, decode_len:
     params = SamplingParams(temperature=0, max_tokens=decode_len, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     for b in (1, batch):
-        prompts = [torch.randint(100, 1000, (prompt_len,), generator=g).tolist() for _ in range(b)]
+        hi = min(1000, runner.model_config.vocab_size)  # a small random checkpoint's vocabulary (the MoE shapes')
+        prompts = [torch.randint(hi // 10, hi, (prompt_len,), generator=g).tolist() for _ in range(b)]
+        before = expert_counts(runner)
         outs = llm.generate(prompts, params)
+        hit = hit_experts_per_layer(runner, before)
         start = max(o.metrics.first_token_time for o in outs)
         end = max(o.metrics.last_token_time for o in outs)
         decoded = sum(1 for o in outs for t in o.metrics.token_times if t > start)
         # bytes per decode step: the weights once, plus every sequence's KV context (mean over the decode)
         ctx = prompt_len + decode_len / 2
         res[b] = {"decode_tok_s": decoded / max(1e-9, end - start),
-                  "weight_bytes_step": step_weight_bytes(runner.model, b),
+                  "weight_bytes_step": step_weight_bytes(runner.model, b, hit),
+                  "hit_experts_per_layer": hit,
                   "kv_bytes_step": int(b * ctx * runner.kv_bytes_per_token())}
         print(f"  {method} ({mode}) batch {b:2d}: decode {res[b]['decode_tok_s']:.1f} tok/s "
               f"(setup {res['setup_s']:.0f} s)", flush=True)

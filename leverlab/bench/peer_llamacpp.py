@@ -231,15 +231,16 @@ def convert(model: Path, root: Path, bins: dict[str, Path], precisions: list[str
     return paths
 
 
-def gguf_weight_bytes(path: Path, root: Path) -> int:
+def gguf_weight_bytes(path: Path, root: Path, experts_only: bool = False) -> int:
     """Bytes of every tensor in a GGUF file, as stored (quantization blocks and their scales included): what one
-    decode step reads, the tied output head being the embedding matrix itself."""
+    decode step reads, the tied output head being the embedding matrix itself. experts_only: a mixture of experts'
+    routed experts only (llama.cpp stacks them in the `*_exps` tensors), of which a step reads those it hits."""
     sys.path.insert(0, str(source_dir(root) / "gguf-py"))
     try:
         from gguf import GGUFReader
     finally:
         sys.path.pop(0)
-    return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+    return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors if not experts_only or "_exps" in t.name)
 
 
 def _convert_main(argv: list[str]) -> int:

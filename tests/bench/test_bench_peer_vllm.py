@@ -214,3 +214,35 @@ def test_worker_stuck_in_its_load_is_stopped(bench_peer, tmp_path, monkeypatch):
     assert started[0].poll() is not None
     with pytest.raises(ProcessLookupError):
         os.killpg(started[0].pid, 0)
+
+
+def test_a_mixture_of_experts_step_reads_the_experts_its_router_chose(bench_peer, checkpoint_factory):
+    """bench_peer on a mixture of experts: ours counts the experts per sparse layer its router chose in each decode
+    measurement; a step's weight bytes are every weight but the routed experts it did not read, which for ours at one
+    sequence are exactly the bytes the engine counted per decode pass (its /metrics figure)."""
+    from bench_quant import step_weight_bytes
+
+    path = checkpoint_factory("qwen3-moe")  # 8 experts, 2 per token, 3 sparse layers
+    args = bench_peer.parse_args(["--model", path, "--precisions", "bf16", "--measurements", "decode,decode16",
+                                  "--batch", "3", "--prompt-len", "16", "--decode-len", "8", "--prefill-len", "16",
+                                  "--execution-mode", "eager"])
+    assert {k: args.moe[k] for k in ("experts", "top_k")} == {"experts": 8, "top_k": 2}
+    eng = bench_peer.OursEngine(path, "bf16", args)
+    reads = eng.llm.engine.runner.expert_reads
+    passes, read = reads.passes, reads.bytes
+    _, hit1 = eng.measure("decode", [list(range(20, 36))], args.decode_len)
+    per_pass = (reads.bytes - read) / (reads.passes - passes)
+    _, hit3 = eng.measure("decode16", [list(range(20 + i, 36 + i)) for i in range(3)], args.decode_len)
+    assert hit1 == 2 and 2 <= hit3 <= 6
+    args.moe["routed_bytes"] = {"bf16": {"leverlab": eng.routed_bytes, "llamacpp": 8000}}
+    args.moe["hits"] = {"bf16": {1: hit1, 3: hit3}}
+    assert bench_peer.step_weights(args, "bf16", "leverlab", 1, eng.weight_bytes) == per_pass
+    assert per_pass == step_weight_bytes(eng.llm.engine.runner.model, 1)  # bench_quant's count: top-k by default
+    at3 = bench_peer.step_weights(args, "bf16", "leverlab", "batch", eng.weight_bytes)
+    assert at3 == pytest.approx(eng.weight_bytes - eng.routed_bytes * (1 - hit3 / 8))
+    # A peer: its own routed tensors' bytes, at the share our router read; unmeasured, top-k at one sequence
+    assert bench_peer.step_weights(args, "bf16", "llamacpp", "batch", 10_000) == pytest.approx(
+        10_000 - 8000 * (1 - hit3 / 8))
+    args.moe["hits"] = {}
+    assert bench_peer.step_weights(args, "bf16", "llamacpp", 1, 10_000) == 10_000 - 8000 * 6 / 8
+    assert bench_peer.step_weights(args, "bf16", "vllm", 1, 10_000) == 10_000  # its experts' bytes unknown
