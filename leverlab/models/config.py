@@ -171,8 +171,8 @@ class ModelConfig:
     def num_params(self, active: bool = False) -> int:
         """All weights; with `active`, those one token reads: of a mixture-of-experts model the shared expert and
         num_experts_per_tok experts per sparse layer, not all of them. That is an estimate of a decode step's
-        reads at batch 1: a batch reads every expert any of its tokens chose (up to all of them), which the
-        router's measured choices will tell (a later stage counts them per step)."""
+        reads at batch 1: a batch reads every expert any of its tokens chose (up to all of them), which the engine
+        counts from the router's choices per decode pass (models/expert_reads.py, on /metrics)."""
         h, v = self.hidden_size, self.vocab_size
         sparse = sum(self.sparse_layers)
         router = sparse * h * (self.num_experts + (1 if self.shared_expert_intermediate_size else 0))

@@ -22,7 +22,7 @@ def sparse_layers(llm) -> list[SparseMoE]:
 def reference_reads(llm, prompts, params):
     """Generate, recording each router's choices; returns (decode passes, distinct experts summed over layers and
     passes, bytes those passes read, whether some pass saw an expert chosen by two sequences), computed from the
-    choices with torch.unique, a pass being decode when each of its sequences brings one token."""
+    choices with torch.unique, a pass being decode when each of its sequences brings one token (and its drafts)."""
     runner = llm.engine.runner
     moes = sparse_layers(llm)
     chosen: list[tuple[SparseMoE, torch.Tensor]] = []
@@ -34,7 +34,8 @@ def reference_reads(llm, prompts, params):
         nonlocal passes, experts, read, shared
         chosen.clear()
         out = execute(batch)
-        if all(n == 1 for n in batch.num_new_tokens):
+        # decode or verification: each sequence brings its last token and its drafts, and samples them all
+        if all(n == 1 + len(seq.spec_token_ids) for seq, n in zip(batch.seqs, batch.num_new_tokens)):
             assert [m for m, _ in chosen] == moes  # every sparse layer routed once
             passes += 1
             read += fixed_bytes(runner.model)
@@ -76,6 +77,17 @@ def test_counted_experts_match_the_routers_choices(checkpoint_factory, arch):
         assert shared  # 5 sequences x 2 of 8 experts: some pass read an expert for two sequences, counted once
         assert passes >= GREEDY.max_tokens - 1
         assert (after[0] - before[0], after[1] - before[1], after[2] - before[2]) == (passes, experts, read)
+
+
+def test_verification_passes_count_as_decode_passes(checkpoint_factory):
+    """With n-gram speculation a pass verifies a sequence's drafts: its K+1 tokens are sampled rows, the pass is a
+    decode pass, and its experts (all its tokens') are counted once each."""
+    llm = LLM(checkpoint_factory("qwen3-moe"), dtype="float32",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    repetitive = [[5, 6, 7, 8] * 6, [9, 10, 11] * 8]
+    _, passes, experts, read, _ = reference_reads(llm, repetitive, GREEDY)
+    assert llm.engine.counter_snapshot()["spec_verify_steps"] > 0
+    assert counted(llm) == (passes, experts, read)
 
 
 def test_one_sequence_reads_top_k_experts_per_layer_as_the_estimate_says(checkpoint_factory):
