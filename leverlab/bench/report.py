@@ -223,7 +223,7 @@ def markdown_report(result: BenchResult) -> str:
     elif hl:
         out.append("```json\n" + json.dumps(_jsonable(hl), indent=2) + "\n```\n")
     else:
-        out.append("No prefix-cache or speculative-decoding counters moved.\n")
+        out.append("No prefix-cache, speculative-decoding or mixture-of-experts counters moved.\n")
     errs = [(g["name"], e) for g in result.groups for e in g.get("error_samples", [])]
     if errs:
         out.append("## Errors\n")
