@@ -15,8 +15,8 @@ moe_weight_bytes_read / moe_decode_passes.
 A layer's distinct experts come from its choices as a Python set: routing tensors on the CPU make `tolist()` of a
 decode step's [T, k] ids a few microseconds and no device sync; on a GPU it is one more sync right before
 group_by_expert's own, which then finds the queue drained. A pass in which some sparse layer did not report (its
-experts ran where Python cannot see them, e.g. a fused C++ step) is left out whole (`unseen`), so a per-pass average
-never mixes counted and uncounted layers.
+experts ran where Python cannot see them, e.g. a fused C++ step that does not hand its counts to record_hits) is left
+out whole (`unseen`), so a per-pass average never mixes counted and uncounted layers.
 """
 
 from __future__ import annotations
@@ -84,9 +84,14 @@ class ExpertReads:
 
     def record(self, moe: SparseMoE, chosen: torch.Tensor) -> None:
         """One sparse layer's router chose `chosen` [T, k] in this pass."""
+        if self.counting:
+            self.record_hits(moe, len(set(chosen.reshape(-1).tolist())))
+
+    def record_hits(self, moe: SparseMoE, n: int) -> None:
+        """One sparse layer read `n` distinct routed experts in this pass: for a path that routes out of Python's
+        sight (a fused C++ step) and counts them there."""
         if not self.counting:
             return
-        n = len(set(chosen.reshape(-1).tolist()))
         self._layers += 1
         self._experts += n
         self._bytes += n * self.per_expert[moe]

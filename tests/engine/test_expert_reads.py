@@ -124,3 +124,21 @@ def test_a_dense_model_reports_no_expert_counters(checkpoint_factory):
     llm = LLM(checkpoint_factory("qwen3"), dtype="float32")
     llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert not any(k.startswith("moe_") for k in llm.engine.counter_snapshot())
+
+
+def test_a_pass_with_a_layer_out_of_sight_is_left_out_whole(checkpoint_factory):
+    """A decode pass in which some sparse layer did not report its choices (as a fused C++ step that routes out of
+    Python's sight would) is not counted at all, so bytes per pass never mix counted and uncounted layers; a path
+    that counts its own hits reports them through record_hits."""
+    llm = LLM(checkpoint_factory("qwen3-moe"), dtype="float32")
+    moes = sparse_layers(llm)
+    reads = moes[0].reads
+    moes[1].reads = None  # layer 1 stops reporting
+    llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    c = llm.engine.counter_snapshot()
+    assert (c["moe_decode_passes"], c["moe_experts_read"], c["moe_decode_passes_uncounted"]) == (0, 0, 4)
+    reads.begin(decode=True)
+    for m in moes:
+        reads.record_hits(m, 3)
+    reads.end()
+    assert (reads.passes, reads.experts, reads.bytes) == (1, 9, reads.fixed + 3 * sum(reads.per_expert.values()))
