@@ -9,6 +9,8 @@ Splits (rank r of N):
   KV heads         nkv >= N: nkv / N per rank, contiguous; nkv < N: one per rank, replicated, rank r holding
                    the KV head its query heads read (GQA: query head h reads KV head h // (nh / nkv))
   MLP              intermediate / N columns of gate and of up (column-parallel), rows of down (row-parallel)
+  MoE experts      each expert (and Qwen2-MoE's shared expert) as an MLP: moe_intermediate / N of its width per
+                   rank; the router and the shared expert's gate replicated (models/moe.py)
   vocabulary       V / N rows of the embedding table and of the output head
 """
 
@@ -74,10 +76,6 @@ def check_model(cfg, tp_size: int) -> None:
     """Refuse, with the numbers, a model whose dimensions do not split evenly over tp_size ranks."""
     if tp_size == 1:
         return
-    if cfg.is_moe:
-        raise UnsupportedLever(
-            f"--tensor-parallel-size {tp_size}: {cfg.architecture} is a mixture-of-experts model, and its experts "
-            "are not sharded across ranks yet; use --tensor-parallel-size 1 (--data-parallel-size for more cores)")
     problems = []
     if cfg.num_heads % tp_size:
         problems.append(f"num_attention_heads {cfg.num_heads} is not divisible by {tp_size}")
@@ -86,8 +84,15 @@ def check_model(cfg, tp_size: int) -> None:
         problems.append(f"num_key_value_heads {nkv} is not divisible by {tp_size}")
     if nkv < tp_size and tp_size % nkv:
         problems.append(f"num_key_value_heads {nkv} (replicated, fewer than the ranks) does not divide {tp_size}")
-    if cfg.intermediate_size % tp_size:
+    dense_layers = not cfg.is_moe or not all(cfg.sparse_layers)  # an all-MoE model never builds intermediate_size
+    if dense_layers and cfg.intermediate_size % tp_size:
         problems.append(f"intermediate_size {cfg.intermediate_size} is not divisible by {tp_size}")
+    if cfg.is_moe and cfg.moe_intermediate_size % tp_size:
+        problems.append(f"moe_intermediate_size {cfg.moe_intermediate_size} (each expert's width) is not divisible "
+                        f"by {tp_size}")
+    if cfg.shared_expert_intermediate_size % tp_size:
+        problems.append(f"shared_expert_intermediate_size {cfg.shared_expert_intermediate_size} is not divisible "
+                        f"by {tp_size}")
     if cfg.vocab_size % tp_size:
         problems.append(f"vocab_size {cfg.vocab_size} is not divisible by {tp_size}")
     if problems:

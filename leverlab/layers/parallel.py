@@ -3,14 +3,17 @@
   ColumnParallelLinear  output features split (fused QKV, fused gate/up, the output head): y_r = x W_r^T,
                         no communication; each checkpoint part (q, k, v, gate, up) is cut on its own.
   RowParallelLinear     input features split (o_proj, down_proj): y = sum_r x_r W_r^T, one all-reduce;
-                        a bias is added once (rank 0 keeps it, the others hold zeros).
+                        a bias is added once (rank 0 keeps it, the others hold zeros). With reduce=False it
+                        returns this rank's partial sum and its caller reduces (an MoE layer: its experts' and
+                        shared expert's partials, summed by one all-reduce per layer, models/moe.py).
   VocabParallelEmbedding  rows of the table split: ids outside a rank's range look up zeros, one all-reduce.
   ParallelLMHead        vocabulary rows split; the logits slices are gathered on rank 0, which samples.
 
 At size 1 each is exactly the plain layer (same parameters and names, no communication).
 
 Quantized layers shard too: the slicing happens before the quantization method sees a tensor, so methods
-that quantize at load time (int8, int4, fp8) quantize each rank's slice; pre-quantized tensors (AWQ, GPTQ,
+that quantize at load time (int8, int4, fp8) quantize each rank's slice (int8's per-row scales of a row-parallel
+layer from the whole row, recorded before the cut: whole_row_absmax); pre-quantized tensors (AWQ, GPTQ,
 `leverlab quantize` int8) are cut along their packed dimensions, described by the method's tensor_layout().
 A slice that does not fall on a packing or group boundary is refused with the numbers.
 """
@@ -63,6 +66,10 @@ class _ParallelLinear(Linear):
         if self.in_slice is not None:
             if kind == "bias" and self.tp.rank != 0:
                 return torch.zeros_like(tensor)  # the all-reduce adds rank 0's bias once
+            if kind == "weight" and getattr(method, "whole_row_scales", False) and tensor.is_floating_point():
+                # A per-row scale from the whole row, as TP=1 computes it (int8): each rank's slice then holds
+                # TP=1's quantized weights exactly, rather than scales of its half rows.
+                self.whole_row_absmax = tensor.to(self.weight.dtype).float().abs().amax(dim=1)
             if layout.in_dim is not None:
                 start, size = self.in_slice
                 tensor = _narrow(tensor, layout.in_dim, start, size, layout.in_pack, what, self.tp)
@@ -96,13 +103,15 @@ class ColumnParallelLinear(_ParallelLinear):
 
 
 class RowParallelLinear(_ParallelLinear):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True):
         tp = current()
         start, size = split(in_features, tp)
         super().__init__(size, out_features, bias, None, tp, None, (start, size))
+        self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return comm.all_reduce(super().forward(x), self.tp)
+        y = super().forward(x)
+        return comm.all_reduce(y, self.tp) if self.reduce else y
 
 
 class ParallelLMHead(ColumnParallelLinear):

@@ -54,12 +54,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """The gated MLP: a dense layer's, one expert's, or Qwen2-MoE's shared expert's (`intermediate` wide)."""
+    """The gated MLP: a dense layer's, one expert's, or Qwen2-MoE's shared expert's (`intermediate` wide).
+    reduce=False (an MoE layer's experts): at TP > 1 it returns this rank's partial output, which SparseMoE sums
+    over the ranks once for the whole layer."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, reduce: bool = True):
         super().__init__()
         self.gate_up_proj = column_linear(hidden, {"gate": intermediate, "up": intermediate})
-        self.down_proj = RowParallelLinear(intermediate, hidden)
+        self.down_proj = RowParallelLinear(intermediate, hidden, reduce=reduce)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -83,8 +85,11 @@ class DecoderLayer(nn.Module):
 def sparse_moe(cfg: ModelConfig) -> SparseMoE:
     h = cfg.hidden_size
     router = Router(h, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.router_float32_weights)
-    shared = MLP(h, cfg.shared_expert_intermediate_size) if cfg.shared_expert_intermediate_size else None
-    return SparseMoE(router, [MLP(h, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)], shared)
+    # Tensor parallel: every expert (and the shared expert) sharded as a dense MLP, 1/tp of its width per rank, the
+    # router and the shared expert's gate replicated; the partial outputs are all-reduced once per layer (moe.py).
+    shared = MLP(h, cfg.shared_expert_intermediate_size, reduce=False) if cfg.shared_expert_intermediate_size else None
+    experts = [MLP(h, cfg.moe_intermediate_size, reduce=False) for _ in range(cfg.num_experts)]
+    return SparseMoE(router, experts, shared)
 
 
 class Backbone(nn.Module):

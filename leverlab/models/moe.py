@@ -15,6 +15,13 @@ instead (`kernel`, set by models/fused.py fused_moe: csrc/fused_decoder.cpp MoeE
 linears the way the fused decoder takes a dense layer's, (kind, weight, scale), and repeats expert_outputs() op for
 op without its Python frames per expert; this module's loop stays the reference and the path of larger steps.
 
+Tensor parallel (--tensor-parallel-size N): each rank holds every expert's 1/N slice of its width (gate/up
+column-parallel, down row-parallel, decoder.MLP with reduce=False), and the shared expert's likewise; the router and
+the shared expert's sigmoid gate are replicated, so every rank routes alike. Each rank's routed and shared outputs
+are partial sums (linear in the down projection's inputs, so the routing weights and the gate scale them as they
+would the whole), added up by ONE all-reduce per layer, not one per expert. The C++ op runs on a rank's shard as
+on a whole model: a sharded expert is a narrower expert.
+
 The routing math is transformers' op for op: router logits in the model dtype, softmax in float32, torch.topk
 (ties resolve as it resolves them there), optional renormalization, the weights cast back to the model dtype
 (Qwen) or kept in float32 (Mixtral) before they scale each expert's output.
@@ -25,6 +32,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from leverlab.distributed import comm
+from leverlab.distributed.parallel_state import current as current_tp
 
 
 class Router(nn.Module):
@@ -65,13 +75,14 @@ class SparseMoE(nn.Module):
         self.kernel = None  # the C++ MoeExperts over these experts (models/fused.py fused_moe), or None
         self.kernel_rows = 0  # the most tokens a step may have to take it
         self.reads = None  # models/expert_reads.py ExpertReads: counts the experts decode passes read, or None
+        self.tp = current_tp()  # the experts' shards hold partial sums at TP > 1: forward() reduces them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.gate(x)
         out = routed_outputs(self, x, weights, chosen)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return comm.all_reduce(out, self.tp)
 
 
 def group_by_expert(chosen: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int], list[int]]:

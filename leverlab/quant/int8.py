@@ -51,6 +51,9 @@ def use_int8_gemm(layer, dtype: torch.dtype, device: torch.device) -> bool:
 class Int8Method(QuantMethod):
     name = "int8"
     bits_per_weight = 8.0  # + one scale per row, negligible
+    # Tensor parallel: a row-parallel rank's slice is quantized with its whole rows' scales (layers/parallel.py),
+    # so TP=N holds TP=1's int8 weights exactly.
+    whole_row_scales = True
 
     def __init__(self, checkpoint: bool = False, w8a8_min_rows: int | None = 1):
         self.checkpoint = checkpoint  # True: weights come as qweight/scales from a `leverlab quantize` folder
@@ -92,7 +95,9 @@ class Int8Method(QuantMethod):
         if self.checkpoint:
             q, scales = layer.qweight.data, layer.scales.data.float()
         else:
-            q, scales = quantize_int8(layer.weight.data)
+            # Tensor parallel: a row-parallel slice takes its rows' scales from the whole rows (layers/parallel.py)
+            q, scales = quantize_int8(layer.weight.data, getattr(layer, "whole_row_absmax", None))
+            layer.whole_row_absmax = None
             set_param(layer, "weight", None)
         state.int8_key = None
         # Our streaming kernel (csrc/quant_linear.cpp) serves up to STREAMING_MAX_ROWS rows on the CPU from its

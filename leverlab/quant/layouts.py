@@ -13,10 +13,11 @@ import torch
 # ---- int8 ------------------------------------------------------------------------------------------------
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [out, in] -> (q int8 [out, in], scales float32 [out]), per-channel symmetric round-to-nearest."""
+def quantize_int8(w: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (q int8 [out, in], scales float32 [out]), per-channel symmetric round-to-nearest.
+    absmax: each row's max |w| where w is a slice of longer rows (a tensor-parallel rank's), None: w's own."""
     w = w.float()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    scales = ((w.abs().amax(dim=1) if absmax is None else absmax) / 127.0).clamp(min=1e-12)
     q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scales
 

@@ -1,6 +1,7 @@
 """Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral) against transformers on tiny random checkpoints, and
 through every engine path: batching, chunked prefill, prefix-cache hits and speculation change no token (float32,
-greedy); int8 and int4 quantize the experts; a tie in the router resolves as transformers resolves it."""
+greedy); int8 and int4 quantize the experts; a tie in the router resolves as transformers resolves it. Tensor parallelism:
+test_moe_tensor_parallel.py."""
 
 import json
 
@@ -10,7 +11,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from leverlab import LLM, SamplingParams
-from leverlab.errors import UnsupportedLever
 from leverlab.layers.attention import AttentionMetadata, forward_context
 from leverlab.layers.linear import Linear
 from leverlab.models.config import ModelConfig
@@ -353,11 +353,6 @@ def test_compiled_equals_eager(checkpoint_factory, tmp_path, monkeypatch):
     path = checkpoint_factory("qwen3-moe")
     eager = tokens(LLM(path, dtype="float32").generate(PROMPTS[:3], GREEDY))
     assert tokens(LLM(path, dtype="float32", execution_mode="compiled").generate(PROMPTS[:3], GREEDY)) == eager
-
-
-def test_tensor_parallel_refuses_moe_before_starting_ranks(checkpoint_factory):
-    with pytest.raises(UnsupportedLever, match="mixture-of-experts"):
-        LLM(checkpoint_factory("qwen3-moe"), dtype="float32", tensor_parallel_size=2)
 
 
 def test_quantize_cli_refuses_stacked_experts(checkpoint_factory, tmp_path):

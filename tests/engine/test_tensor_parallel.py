@@ -77,16 +77,12 @@ def test_int4_tp2_matches_tp1(checkpoint_factory, closing):
     assert tokens(closing(path, 2, quantization="int4")) == expected
 
 
-def test_int8_tp2_close_to_tp1(checkpoint_factory, closing):
-    """int8 scales are per output row; a row-parallel layer's rank holds half of each row, so its scales
-    come from that half: the weights differ from TP=1 by under one int8 step and the logits stay close."""
+def test_int8_tp2_tokens_identical_to_tp1(checkpoint_factory, closing):
+    """int8 scales are per output row; a row-parallel layer's rank takes them from the whole rows (recorded before
+    its slice is cut), so every rank holds TP=1's int8 weights and, in float32, only the order of the sums differs."""
     path = checkpoint_factory("qwen3")
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    ref = engine(path, 1, quantization="int8").generate(PROMPTS[1], params)[0]
-    out = closing(path, 2, quantization="int8").generate(PROMPTS[1], params)[0]
-    a = [lp[t].logprob for lp, t in zip(ref.prompt_logprobs[1:], PROMPTS[1][1:])]
-    b = [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], PROMPTS[1][1:])]
-    assert max(abs(x - y) for x, y in zip(a, b)) < 0.05
+    expected = tokens(engine(path, 1, quantization="int8"))
+    assert tokens(closing(path, 2, quantization="int8")) == expected
 
 
 def test_draft_model_keeps_one_rank_while_the_target_runs_at_two(checkpoint_factory, closing):
