@@ -73,17 +73,20 @@ def aggregate_decode(outs) -> tuple[float, float]:
 
 
 def measure_all(runners, prompt_len: int, decode_len: int, batches: list[int], rounds: int,
-                describe=lambda res: f"TTFT {res['ttft_s']:.2f} s, decode {res['decode_tok_s']:.1f} tok/s") -> dict:
+                describe=lambda res: f"TTFT {res['ttft_s']:.2f} s, decode {res['decode_tok_s']:.1f} tok/s",
+                vocab: int | None = None) -> dict:
     """Every engine at every batch size, `rounds` times, interleaved so that a noisy spell on the shared
     machine hits all engines alike; the best round counts (the least disturbed). `describe(result)` is what
-    each round prints."""
+    each round prints. Prompt ids are drawn in 100..999, below `vocab` where the model's vocabulary is smaller
+    (a random checkpoint on the tests' tokenizer, such as scripts/bench_moe_decode.py writes: 384 ids)."""
     g = torch.Generator().manual_seed(0)
+    hi = 1000 if vocab is None else min(1000, vocab)
     best: dict = {r.name: {} for r in runners}
     for r in runners:  # warm-up: first-call costs stay out of the figures
         r.measure([[7] * prompt_len] * 2, 4)
     for rnd in range(rounds):
         for b in batches:
-            prompts = [torch.randint(100, 1000, (prompt_len,), generator=g).tolist() for _ in range(b)]
+            prompts = [torch.randint(min(100, hi - 1), hi, (prompt_len,), generator=g).tolist() for _ in range(b)]
             for r in runners:
                 res = r.measure(prompts, decode_len)
                 old = best[r.name].get(b)

@@ -8,6 +8,7 @@ and what the measured number of all-reduces per step predicts for GPUs joined by
 
     python scripts/bench_tp.py [--model DIR] [--threads 2] [--decode-len 128] [--batches 1,16] [--mode compiled]
     python scripts/bench_tp.py --mode eager --decode-len 4 --prompt-len 16 --rounds 1    # a quick smoke run
+    python scripts/bench_tp.py --model /tmp/moe-decode/shape3 --mode eager ...   # the MoE shape (bench_moe_decode.py)
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def main() -> int:
     try:
         best = measure_all(engines, args.prompt_len, args.decode_len, args.batches, args.rounds,
                            lambda res: f"decode {res['decode_tok_s']:.1f} tok/s, "
-                                       f"all-reduce {100 * res['allreduce_share']:.0f}% of the time")
+                                       f"all-reduce {100 * res['allreduce_share']:.0f}% of the time",
+                           vocab=cfg.vocab_size)
     finally:
         for e in engines:
             e.close()
