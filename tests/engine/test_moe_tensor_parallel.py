@@ -111,6 +111,17 @@ def test_int4_tp2_identical_to_tp1(checkpoint_factory, closing):
     assert tokens(closing(path, 2, quantization="int4-g32")) == expected
 
 
+def test_ngram_speculation_at_tp2_changes_no_token(checkpoint_factory, closing):
+    """Verification spans route and reduce like any other step."""
+    path = checkpoint_factory("mixtral")
+    prompts = [[5, 6, 7, 8] * 6, [9, 10] * 9 + [11], list(range(30, 60))]
+    expected = tokens(engine(path, 1), prompts)
+    sc = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = closing(path, 2, speculative_config=sc)
+    assert tokens(llm, prompts) == expected
+    assert llm.engine.counter_snapshot()["spec_accepted_tokens"] > 0
+
+
 def test_refuses_experts_that_do_not_split(checkpoint_factory):
     """Checked before any rank starts, with the numbers."""
     path = checkpoint_factory("qwen2-moe", moe_intermediate_size=33, shared_expert_intermediate_size=66)

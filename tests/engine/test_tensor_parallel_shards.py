@@ -76,6 +76,17 @@ def test_moe_experts_split_by_width_router_replicated(checkpoint_factory, arch, 
         assert all(torch.equal(params[n], full[n]) for n in whole)
 
 
+def test_stacked_expert_tensors_split_like_per_expert_ones(checkpoint_factory, tmp_path):
+    """Experts stored as transformers holds them ([E, 2I, H] and [E, H, I]): each expert's view is cut as its own
+    tensor would be, int8's whole-row scales included."""
+    from pathlib import Path
+
+    from tests.engine.test_moe import _stack_experts
+
+    stacked = _stack_experts(Path(checkpoint_factory("qwen3-moe")), tmp_path / "stacked")
+    check_shards(stacked, quantization="int8")
+
+
 @pytest.mark.parametrize("method", ["int4", "int4-g32"])
 def test_int4_quantizes_each_slice_like_tp1(checkpoint_factory, method):
     # groups of 32 or 64 inputs never straddle the halves: identical weights
