@@ -1,5 +1,6 @@
-"""An MoE checkpoint served over HTTP through the official client, and --tensor-parallel-size refused for it at
-start with a message (exit 2, no traceback) instead of a crash in a rank."""
+"""An MoE checkpoint served over HTTP through the official client, at one rank and at --tensor-parallel-size 2
+(the same greedy tokens); an MoE model whose experts do not split over the ranks refused at start with a message
+(exit 2, no traceback) instead of a crash in a rank."""
 
 import subprocess
 import sys
@@ -44,8 +45,27 @@ def test_moe_model_served(moe_checkpoint, tmp_path):
         assert server.stop() == 0, server.log()
 
 
-def test_tensor_parallel_refused_for_moe(moe_checkpoint):
-    cmd = [sys.executable, "-m", "leverlab.cli", "serve", str(moe_checkpoint), "--port", str(free_port()),
+def test_moe_model_served_at_two_ranks(moe_checkpoint, tmp_path):
+    """--tensor-parallel-size 2: the experts sharded over two worker processes; float32 greedy text equals one
+    rank's (an in-process engine here)."""
+    from leverlab import LLM, SamplingParams
+
+    with LLM(moe_checkpoint, dtype="float32") as llm:
+        expected = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    server = ServerProcess(moe_checkpoint, "--tensor-parallel-size", "2", log_path=tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.completions.create(model=client.models.list().data[0].id, prompt="def f(x):", max_tokens=8,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 8
+        assert r.choices[0].text == expected.outputs[0].text
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_tensor_parallel_refused_for_experts_that_do_not_split(checkpoint_factory):
+    path = checkpoint_factory("qwen3-moe", moe_intermediate_size=33)
+    cmd = [sys.executable, "-m", "leverlab.cli", "serve", str(path), "--port", str(free_port()),
            "--tensor-parallel-size", "2"]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -53,6 +73,6 @@ def test_tensor_parallel_refused_for_moe(moe_checkpoint):
     except subprocess.TimeoutExpired:
         p.kill()
         p.communicate()
-        pytest.fail("--tensor-parallel-size 2 on an MoE model was not refused: the server started")
+        pytest.fail("--tensor-parallel-size 2 with experts 33 wide was not refused: the server started")
     assert p.returncode == 2, err
-    assert "mixture-of-experts" in err and "Traceback" not in err, err
+    assert "moe_intermediate_size 33" in err and "Traceback" not in err, err
