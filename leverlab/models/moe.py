@@ -19,8 +19,9 @@ Tensor parallel (--tensor-parallel-size N): each rank holds every expert's 1/N s
 column-parallel, down row-parallel, decoder.MLP with reduce=False), and the shared expert's likewise; the router and
 the shared expert's sigmoid gate are replicated, so every rank routes alike. Each rank's routed and shared outputs
 are partial sums (linear in the down projection's inputs, so the routing weights and the gate scale them as they
-would the whole), added up by ONE all-reduce per layer, not one per expert. The C++ op runs on a rank's shard as
-on a whole model: a sharded expert is a narrower expert.
+would the whole), added up by ONE all-reduce per layer, not one per expert (so the collectives a step makes never
+depend on its routing: ranks cannot fall out of step). The C++ op runs on a rank's shard as on a whole model: a
+sharded expert is a narrower expert.
 
 The routing math is transformers' op for op: router logits in the model dtype, softmax in float32, torch.topk
 (ties resolve as it resolves them there), optional renormalization, the weights cast back to the model dtype
