@@ -181,18 +181,29 @@ def test_int4_interleaved_rows_through_the_fused_step(checkpoint_factory, monkey
 
 
 @pytest.mark.parametrize("method", ("int8", "int4"))
-def test_fused_forward_takes_fbgemm_past_the_streaming_rows(checkpoint_factory, method, monkeypatch):
+@pytest.mark.parametrize("arch", ("qwen2", "qwen3"))
+def test_fused_forward_takes_fbgemm_past_the_streaming_rows(checkpoint_factory, method, arch, monkeypatch):
     """Past a layer's streaming rows the fused step calls the int8 GEMM from C++ (fbgemm's, op for op as the module
     path does, or on AMX CPUs our AMX kernel: quant/int8_gemm.py): the same bf16 result, bit for bit, and the fused
-    path takes steps of any size."""
+    path takes steps of any size. On AMX the fused step takes SiLU(gate) * up on the gate_up GEMM's outputs in L1
+    (amx_int8_grouped): the same bits as the GEMM's output tensor and a pass of its own."""
     monkeypatch.setenv("LEVERLAB_STREAM_ROWS", "2")
-    model = load_model(checkpoint_factory("qwen2"), "bfloat16", quantization=method)
+    model = load_model(checkpoint_factory(arch), "bfloat16", quantization=method)
     dec = fused.fused_decoder(model, [torch.zeros(1)] * model.config.num_layers, "auto", 1)
     assert dec is not None and dec.max_tokens is None
     expected, got = both_paths(model, torch.bfloat16, [3, 1, 5])  # 9 rows: every layer past its 2
     assert torch.equal(got, expected)
     expected, got = both_paths(model, torch.bfloat16, [1, 1])  # at its 2 rows, the streaming kernels as before
     torch.testing.assert_close(got, expected, atol=3e-2 * expected.abs().max().item(), rtol=0)
+
+
+def test_fused_prefill_of_an_int8_model_matches_modules_float32(checkpoint_factory, monkeypatch):
+    """float32 through the same path (on AMX: the grouped GEMM with SiLU(gate) * up on its outputs in L1): the
+    modules' values to float32 rounding."""
+    monkeypatch.setenv("LEVERLAB_STREAM_ROWS", "2")
+    model = load_model(checkpoint_factory("qwen3"), "float32", quantization="int8")
+    expected, got = both_paths(model, torch.float32, [3, 1, 40])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_int8_kernel_matches_dequantized_weight():

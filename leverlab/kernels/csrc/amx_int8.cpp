@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_int8.h"
 #include "amx_util.h"
 #include "row_split.h"
 #if defined(LEVERLAB_AMX_TILE) && defined(__AMX_INT8__)
@@ -136,39 +137,60 @@ inline void store16(T* p, __m512 v, __mmask16 keep) {
   }
 }
 
-// y[m, n] = sum * s_x[m] * s_w[n] for the block's valid activation rows and weight rows (the last block of either
-// may be partial): each 16 x 16 quadrant of c (weight rows by activation rows) transposed into 16 rows of y.
+// y[m][n] = sum * s_x[m] * s_w[n] for the block's valid activation rows and weight rows (the last block of either
+// may be partial): each 16 x 16 quadrant of c (weight rows by activation rows) transposed into 16 rows of y. sx, sw
+// and y start at the block's first activation row and weight row; ldy: elements between rows of y.
 template <typename T>
-void store_block(const int32_t* c, const float* sx, const float* sw, int64_t m0, int64_t rows, int64_t n0,
-                 int64_t cols, T* y, int64_t N) {
+void store_block(const int32_t* c, const float* sx, const float* sw, int64_t rows, int64_t cols, T* y, int64_t ldy) {
   const uint32_t keep = cols >= 32 ? ~0u : (1u << cols) - 1;
   const __mmask16 keep_g[2] = {static_cast<__mmask16>(keep), static_cast<__mmask16>(keep >> 16)};
-  const __m512 sw_g[2] = {_mm512_maskz_loadu_ps(keep_g[0], sw + n0), _mm512_maskz_loadu_ps(keep_g[1], sw + n0 + 16)};
+  const __m512 sw_g[2] = {_mm512_maskz_loadu_ps(keep_g[0], sw), _mm512_maskz_loadu_ps(keep_g[1], sw + 16)};
   for (int64_t h = 0; 16 * h < rows; ++h) {
     for (int g = 0; g < 2 && 16 * g < cols; ++g) {
       __m512i r[16];
       for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(c + (16 * g + i) * kRows + 16 * h);
       amx::transpose16(r);  // r[j]: activation row 16 h + j, weight rows 16 g .. + 15
       for (int64_t j = 0; j < 16 && 16 * h + j < rows; ++j) {
-        const int64_t m = m0 + 16 * h + j;
+        const int64_t m = 16 * h + j;
         const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(r[j]), _mm512_set1_ps(sx[m])), sw_g[g]);
-        store16(y + m * N + n0 + 16 * g, v, keep_g[g]);
+        store16(y + m * ldy + 16 * g, v, keep_g[g]);
       }
     }
   }
 }
 
+// Every row of x quantized into B tiles (xb, Mp x Kp bytes, zero-padded) with their scales sx (Mp).
 template <typename T>
-void amx_gemm(const T* x, int64_t M, int64_t K, const int8_t* packed, int64_t Np, int64_t Kp, const float* sw,
-              int64_t N, T* y) {
-  const int64_t Mp = (M + kRows - 1) / kRows * kRows, tiles_per_row = Kp / kDepth;
-  std::vector<int8_t> xb(static_cast<size_t>(Mp * Kp), 0);
-  std::vector<float> sx(static_cast<size_t>(Mp), 0.f);
+void quantize_all(const T* x, int64_t M, int64_t K, int64_t Kp, std::vector<int8_t>& xb, std::vector<float>& sx) {
+  const int64_t Mp = (M + kRows - 1) / kRows * kRows;
+  xb.assign(static_cast<size_t>(Mp * Kp), 0);
+  sx.assign(static_cast<size_t>(Mp), 0.f);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     std::vector<int8_t> row(static_cast<size_t>(Kp));
     quantize_rows(x, K, Kp, m0, m1, xb.data(), sx.data(), row.data());
   });
-  const int64_t chunk_rows = std::max(kRows, kChunkBytes / Kp / kRows * kRows);
+}
+
+// One block of sums for activation rows [m0, m0 + 32) (fewer at the end: M) against weight rows [n, n + 32).
+inline void block_at(const int8_t* packed, int64_t n, int64_t Kp, const std::vector<int8_t>& xb, int64_t m0,
+                     int64_t M, int32_t* c) {
+  const int8_t* b0 = xb.data() + (m0 / 16) * (Kp / kDepth) * 1024;
+  if (M - m0 <= 16)
+    block_sums<1>(packed + n * Kp, Kp, b0, nullptr, c);
+  else
+    block_sums<2>(packed + n * Kp, Kp, b0, b0 + (Kp / kDepth) * 1024, c);
+}
+
+// Activation rows are taken in chunks whose B tiles stay in L2 (kChunkBytes).
+inline int64_t chunk_rows_for(int64_t Kp) { return std::max(kRows, kChunkBytes / Kp / kRows * kRows); }
+
+template <typename T>
+void amx_gemm(const T* x, int64_t M, int64_t K, const int8_t* packed, int64_t Np, int64_t Kp, const float* sw,
+              int64_t N, T* y) {
+  std::vector<int8_t> xb;
+  std::vector<float> sx;
+  quantize_all(x, M, K, Kp, xb, sx);
+  const int64_t Mp = static_cast<int64_t>(sx.size()), chunk_rows = chunk_rows_for(Kp);
   for (int64_t c0 = 0; c0 < Mp; c0 += chunk_rows) {
     const int64_t c1 = std::min(Mp, c0 + chunk_rows);
     parallel_rows(Np, [&](int64_t n0, int64_t n1) {  // chunks of 64 rows or more: whole blocks of 32
@@ -177,12 +199,8 @@ void amx_gemm(const T* x, int64_t M, int64_t K, const int8_t* packed, int64_t Np
       for (int64_t n = n0; n < n1 && n < N; n += kCols) {
         const int64_t cols = std::min(kCols, N - n);
         for (int64_t m0 = c0; m0 < c1 && m0 < M; m0 += kRows) {
-          const int8_t* b0 = xb.data() + (m0 / 16) * tiles_per_row * 1024;
-          if (M - m0 <= 16)
-            block_sums<1>(packed + n * Kp, Kp, b0, nullptr, c);
-          else
-            block_sums<2>(packed + n * Kp, Kp, b0, b0 + tiles_per_row * 1024, c);
-          store_block(c, sx.data(), sw, m0, std::min(kRows, M - m0), n, cols, y, N);
+          block_at(packed, n, Kp, xb, m0, M, c);
+          store_block(c, sx.data() + m0, sw + n, std::min(kRows, M - m0), cols, y + m0 * N + n, N);
         }
       }
       _tile_release();  // a thread holding no tile state saves and restores less on every context switch
@@ -224,4 +242,61 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& packed, const 
   });
 #endif
   return y;
+}
+
+// The same GEMM over groups of whole 32-row weight blocks, each group's outputs handed to `epi` while they are in
+// L1 instead of written to a [M, N] output: see amx_int8.h.
+template <typename T>
+void amx_int8_grouped(const T* x, int64_t M, int64_t K, const at::Tensor& packed, const at::Tensor& w_scale,
+                      const std::vector<int64_t>& block_rows, int64_t per_group, const AmxEpilogue<T>& epi) {
+  TORCH_CHECK(amx_int8_available(), "amx_int8_grouped: this build or CPU has no AMX int8");
+  const int64_t Np = packed.size(0), Kp = packed.size(1), groups = static_cast<int64_t>(block_rows.size()) / per_group;
+  TORCH_CHECK(per_group > 0 && groups * per_group == static_cast<int64_t>(block_rows.size()) && K <= Kp &&
+                  Kp < K + kDepth && packed.is_contiguous() && w_scale.is_contiguous(),
+              "amx_int8_grouped: blocks of whole groups, x's K matching the packed weight");
+  for (int64_t n : block_rows)
+    TORCH_CHECK(n % kCols == 0 && n + kCols <= w_scale.numel(), "amx_int8_grouped: whole blocks of 32 rows");
+  if (M == 0) return;
+#ifdef LEVERLAB_AMX
+  const int8_t* pw = packed.data_ptr<int8_t>();
+  const float* sw = w_scale.data_ptr<float>();
+  std::vector<int8_t> xb;
+  std::vector<float> sx;
+  quantize_all(x, M, K, Kp, xb, sx);
+  const int64_t Mp = static_cast<int64_t>(sx.size()), chunk_rows = chunk_rows_for(Kp), ld = per_group * kCols;
+  for (int64_t c0 = 0; c0 < Mp; c0 += chunk_rows) {
+    const int64_t c1 = std::min(Mp, c0 + chunk_rows);
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      _tile_loadconfig(&amx::kConfig);
+      alignas(64) int32_t c[kCols * kRows];
+      std::vector<T> out(static_cast<size_t>(kRows * ld));
+      for (int64_t g = g0; g < g1; ++g)
+        for (int64_t m0 = c0; m0 < c1 && m0 < M; m0 += kRows) {
+          const int64_t rows = std::min(kRows, M - m0);
+          for (int64_t j = 0; j < per_group; ++j) {
+            const int64_t n = block_rows[g * per_group + j];
+            block_at(pw, n, Kp, xb, m0, M, c);
+            store_block(c, sx.data() + m0, sw + n, rows, kCols, out.data() + j * kCols, ld);
+          }
+          epi(g, m0, rows, out.data(), ld);
+        }
+      _tile_release();
+    });
+  }
+#else
+  (void)x, (void)K, (void)epi, (void)Np;
+#endif
+}
+
+template void amx_int8_grouped<float>(const float*, int64_t, int64_t, const at::Tensor&, const at::Tensor&,
+                                      const std::vector<int64_t>&, int64_t, const AmxEpilogue<float>&);
+template void amx_int8_grouped<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t, const at::Tensor&,
+                                              const at::Tensor&, const std::vector<int64_t>&, int64_t,
+                                              const AmxEpilogue<c10::BFloat16>&);
+template void amx_int8_grouped<c10::Half>(const c10::Half*, int64_t, int64_t, const at::Tensor&, const at::Tensor&,
+                                          const std::vector<int64_t>&, int64_t, const AmxEpilogue<c10::Half>&);
+template <>
+void amx_int8_grouped<double>(const double*, int64_t, int64_t, const at::Tensor&, const at::Tensor&,
+                              const std::vector<int64_t>&, int64_t, const AmxEpilogue<double>&) {
+  TORCH_CHECK(false, "amx_int8_grouped: float64 activations are not taken");
 }
