@@ -1,17 +1,19 @@
 """Where a decode step of the Qwen3-30B-A3B expert shape goes (issue 61), in one run: the routed experts through the
 module path (a Python call per hit expert: models/moe.py expert_outputs) against one C++ call per layer
-(csrc/fused_decoder.cpp MoeExperts), rounds interleaved, and both against the active-bytes roofline.
+(csrc/fused_decoder.cpp MoeExperts), and the whole step in the fused C++ decoder (models/fused.py: the sparse
+blocks through MoeExperts.block), rounds interleaved, all against the active-bytes roofline.
 
 A checkpoint of `--layers` layers of the real expert shape (hidden 2048, 128 experts of width 768, top 8; 32 query
 heads, 4 KV heads of 128), random bf16 weights (scripts/bench_moe_load.py writes it), in bf16, int8 and int4, at
 one stream and at 16 sequences, on the threads torch has (two on this machine). Two measurements per setting:
   layer   one sparse block (router + experts) on random hidden states of n rows, per layer, best of the rounds:
-          module vs C++; the gap is the Python dispatch the C++ op removed; `roof` is the bytes of the experts hit
-          divided by the read bandwidth measured here (study/bandwidth.py);
+          module vs C++ experts op vs the whole block in C++ (router included: what the fused step runs); the gap
+          is the Python dispatch the C++ op removed; `roof` is the bytes of the experts hit divided by the read
+          bandwidth measured here (study/bandwidth.py);
   step    a greedy decode step through the engine (prompts of 16 tokens; the time of `--steps` more tokens minus a
-          one-token run, so prefill is out), module vs C++; `roof` counts the bytes a step reads: the experts its
-          tokens hit (recorded from the router), attention, router, norms and the head (the KV cache's few KB
-          left out).
+          one-token run, so prefill is out): module path, module path with the C++ experts op, the fused step;
+          `roof` counts the bytes a step reads: the experts its tokens hit (recorded from the router), attention,
+          router, norms and the head (the KV cache's few KB left out).
 
     python scripts/bench_moe_decode.py [--layers 3] [--steps 16] [--rounds 3] [--out /tmp/moe-decode]
 """
@@ -58,9 +60,15 @@ def fixed_bytes(model, rows: int) -> int:
     return total
 
 
-def switch(moes, kernels, on: bool) -> None:
+MODES = ("module", "C++ experts", "fused")  # module path; module path + MoeExperts.forward; the fused C++ step
+
+
+def switch(runner, moes, kernels, fused_step, mode: str) -> None:
+    on = mode != "module"
     for moe, (op, rows) in zip(moes, kernels):
         moe.kernel, moe.kernel_rows = (op, rows) if on else (None, 0)
+    if runner is not None:
+        runner.fused = fused_step if mode == "fused" else None
 
 
 def layer_times(moes, kernels, n: int, rounds: int, bw: float) -> str:
@@ -68,34 +76,37 @@ def layer_times(moes, kernels, n: int, rounds: int, bw: float) -> str:
     g = torch.Generator().manual_seed(n)
     h = moes[0].gate.weight.shape[1]
     xs = [torch.randn(n, h, generator=g).to(torch.bfloat16) for _ in moes]
-    best = {False: float("inf"), True: float("inf")}
+    best = dict.fromkeys(MODES, float("inf"))
     hit_bytes = 0
     with torch.inference_mode():
         for moe, x in zip(moes, xs):
             hit = moe.gate(x)[1].unique().tolist()
             hit_bytes += sum(expert_bytes(moe.experts[e], n) for e in hit)
         for _ in range(rounds):
-            for on in (False, True):
-                switch(moes, kernels, on)
+            for mode in MODES:
+                switch(None, moes, kernels, None, mode)
+                run = (lambda m, x: m.kernel.block(x)) if mode == "fused" else (lambda m, x: m(x))
                 for moe, x in zip(moes, xs):
-                    moe(x)  # warm
+                    run(moe, x)  # warm
                 t0 = time.perf_counter()
                 for moe, x in zip(moes, xs):
-                    moe(x)
-                best[on] = min(best[on], (time.perf_counter() - t0) / len(moes))
-    switch(moes, kernels, True)
+                    run(moe, x)
+                best[mode] = min(best[mode], (time.perf_counter() - t0) / len(moes))
+    switch(None, moes, kernels, None, "C++ experts")
     roof = hit_bytes / len(moes) / bw / 1e9
-    module, cpp = best[False], best[True]
-    return (f"layer x{n:<2d} module {1e3 * module:6.2f} ms  C++ {1e3 * cpp:6.2f} ms  (python {100 * (module - cpp) / module:4.1f}%"
-            f" of the module path)  roof {1e3 * roof:6.2f} ms: module {100 * roof / module:4.1f}%, C++ "
-            f"{100 * roof / cpp:4.1f}% of it")
+    module, cpp, block = best["module"], best["C++ experts"], best["fused"]
+    return (f"layer x{n:<2d} module {1e3 * module:6.2f} ms  C++ experts {1e3 * cpp:6.2f} ms  C++ block {1e3 * block:6.2f}"
+            f" ms  roof {1e3 * roof:6.2f} ms: module {100 * roof / module:4.1f}%, C++ experts {100 * roof / cpp:4.1f}%,"
+            f" C++ block {100 * roof / block:4.1f}% of it")
 
 
 def step_times(llm, moes, kernels, n: int, steps: int, rounds: int, bw: float) -> str:
     """Greedy decode through the engine: ms per step (the time of `steps` more tokens than a one-token run)."""
     from leverlab import SamplingParams
 
-    model = llm.engine.runner.model
+    runner = llm.engine.runner
+    fused_step = runner.fused
+    model = runner.model
     hits: list[int] = []  # per decode call of a router: the experts it hit
     rows_of = {id(m.gate): m for m in moes}
 
@@ -107,27 +118,34 @@ def step_times(llm, moes, kernels, n: int, steps: int, rounds: int, bw: float) -
     prompts = [list(range(5 + i, 21 + i)) for i in range(n)]
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     more = SamplingParams(temperature=0, max_tokens=1 + steps, ignore_eos=True)
-    best = {False: float("inf"), True: float("inf")}
+    modes = MODES if fused_step is not None else MODES[:2]
+    best = dict.fromkeys(modes, float("inf"))
     llm.generate(prompts, more)  # warm
+    hit_steps = []  # per round: the experts' bytes its decode steps hit (the router runs in C++ in the fused step)
     for _ in range(rounds):
-        for on in (False, True):
-            switch(moes, kernels, on)
+        for mode in modes:
+            switch(runner, moes, kernels, fused_step, mode)
             t0 = time.perf_counter()
             llm.generate(prompts, one)
             t1 = time.perf_counter()
             hits.clear()
             llm.generate(prompts, more)
             t2 = time.perf_counter()
-            best[on] = min(best[on], ((t2 - t1) - (t1 - t0)) / steps)
+            best[mode] = min(best[mode], ((t2 - t1) - (t1 - t0)) / steps)
+            if hits:
+                hit_steps.append(sum(hits) / steps)
     for hd in handles:
         hd.remove()
-    switch(moes, kernels, True)
-    step_bytes = sum(hits) / steps + fixed_bytes(model, n)  # the last round's decode steps
+    switch(runner, moes, kernels, fused_step, "fused")
+    step_bytes = hit_steps[-1] + fixed_bytes(model, n)  # the last round's decode steps through the modules
     roof = step_bytes / bw / 1e9
-    module, cpp = best[False], best[True]
-    return (f"step  x{n:<2d} module {1e3 * module:6.2f} ms ({n / module:6.1f} tok/s)  C++ {1e3 * cpp:6.2f} ms "
-            f"({n / cpp:6.1f} tok/s)  {module / cpp:4.2f}x  roof {1e3 * roof:6.2f} ms ({step_bytes / 1e6:.0f} MB): "
-            f"module {100 * roof / module:4.1f}%, C++ {100 * roof / cpp:4.1f}% of it")
+    module = best["module"]
+    out = (f"step  x{n:<2d} roof {1e3 * roof:6.2f} ms ({step_bytes / 1e6:.0f} MB)  module {1e3 * module:6.2f} ms "
+           f"({n / module:6.1f} tok/s, {100 * roof / module:4.1f}%)")
+    for mode in modes[1:]:
+        t = best[mode]
+        out += f"  {mode} {1e3 * t:6.2f} ms ({n / t:6.1f} tok/s, {100 * roof / t:4.1f}%, {module / t:4.2f}x)"
+    return out
 
 
 def main() -> int:
@@ -157,7 +175,10 @@ def main() -> int:
         if kernels[0][0] is None:
             print(f"{quant}: no C++ MoE op here (fused_moe logged why)")
             return 1
-        print(f"{quant} (C++ op up to {kernels[0][1]} tokens)", flush=True)
+        fused_step = llm.engine.runner.fused
+        print(f"{quant} (C++ op up to {kernels[0][1]} tokens; fused step "
+              f"{'up to ' + str(fused_step.max_tokens) + ' tokens' if fused_step else 'off: fused_decoder logged why'})",
+              flush=True)
         for n in (1, 16):
             print("  " + layer_times(moes, kernels, n, a.rounds, bw), flush=True)
             print("  " + step_times(llm, moes, kernels, n, a.steps, a.rounds, bw), flush=True)

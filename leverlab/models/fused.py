@@ -11,8 +11,10 @@ Where the attention kernel tiles long spans (AVX2 and up: has_tiled_attention) i
 the module path's elementwise ops (RMS norms, rotary, SiLU, residual adds), each a separate pass over [T, H] or
 [T, I] in float32 and back, cost about as much as the GEMMs on the bundled model, and a third of a 1,024-token
 prefill of the Qwen3-0.6B shape on one thread; the C++ loops do each in one pass over rows still in cache.
-Everything else (quantization methods it does not know, tensor parallelism, an fp8 KV cache) keeps the module
-path; `fused_decoder()` says why not.
+A mixture-of-experts model's sparse layers run their whole MLP block in the same call (router, hit experts,
+shared expert: MoeExperts.block, the op fused_moe() builds, which must run first), for steps of at most the tokens
+that op takes. Everything else (quantization methods it does not know, tensor parallelism, an fp8 KV cache) keeps
+the module path; `fused_decoder()` says why not.
 Numerics follow the module path op for op (the fused tests compare the two in float32, token for token).
 """
 
@@ -75,9 +77,8 @@ def _build(model: CausalLM, kv_caches, kv_cache_dtype: str, tp_size: int, kv_sca
     if kern is None:
         raise _NotFused("the C++ kernels are not built here")
     cfg = model.config
-    if cfg.is_moe:  # the C++ step computes a dense MLP per layer; MoE layers keep the module path (models/moe.py)
-        raise _NotFused("a mixture-of-experts model (the fused step has no routed MLP yet)")
     dtype = model.model.embed_tokens.weight.dtype  # the C++ side runs every float tensor in this one dtype
+    moe_rows = _sparse_rows(model, dtype) if cfg.is_moe else None
     layers, kinds, windows = [], [], []
     quantized = []  # (layer index, linear index in the C++ order, layer) of every quantized linear
     for i, layer in enumerate(model.model.layers):
@@ -87,7 +88,9 @@ def _build(model: CausalLM, kv_caches, kv_cache_dtype: str, tp_size: int, kv_sca
                    attn.k_norm.weight if attn.k_norm is not None else None]
         if any(t is not None and t.dtype != dtype for t in tensors) or model.model.norm.weight.dtype != dtype:
             raise _NotFused("norm weights in another dtype than the model's")
-        for j, lin in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+        sparse = isinstance(mlp, SparseMoE)  # its MLP block is its MoeExperts op (set_moe below)
+        lins = (attn.qkv_proj, attn.o_proj) if sparse else (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        for j, lin in enumerate(lins):
             if lin.quant_method is not None:
                 quantized.append((i, j, lin))
             kind, ts = _linear(lin)
@@ -95,6 +98,9 @@ def _build(model: CausalLM, kv_caches, kv_cache_dtype: str, tp_size: int, kv_sca
                 raise _NotFused("weights in mixed float dtypes")
             kinds.append(kind)
             tensors += ts
+        if sparse:  # no dense gate_up / down
+            kinds += [0, 0]
+            tensors += [None] * 6
         layers.append([t.data if t is not None else None for t in tensors])
         windows.append(attn.window)
     rotary = model.model.layers[0].self_attn.rotary
@@ -105,10 +111,36 @@ def _build(model: CausalLM, kv_caches, kv_cache_dtype: str, tp_size: int, kv_sca
                             list(model.aux_layers))
     if kv_cache_dtype == "int8":
         dec.set_kv_scales(list(kv_scales))
+    for i, layer in enumerate(model.model.layers):
+        if isinstance(layer.mlp, SparseMoE):
+            dec.set_moe(i, layer.mlp.kernel)
     head_rows = _set_head(dec, model, dtype)
     rows = _set_batched(dec, quantized, len(model.model.layers)) if quantized else None
+    if moe_rows is not None:
+        rows = moe_rows if rows is None else min(rows, moe_rows)
     span = None if kern.has_tiled_attention() else MAX_SPAN
     return FusedForward(dec, max_tokens=rows, head_rows=head_rows, max_span=span)
+
+
+def _sparse_rows(model: CausalLM, dtype: torch.dtype) -> int:
+    """The most tokens a fused step of this MoE model may have: those every sparse layer's op (fused_moe, run before)
+    takes with its experts' kernels as their modules pick them, and its shared expert's likewise."""
+    rows = MOE_MAX_TOKENS
+    for layer in model.model.layers:
+        moe = layer.mlp
+        if not isinstance(moe, SparseMoE):
+            continue
+        if moe.kernel is None:
+            raise _NotFused("a sparse MoE layer without its C++ experts op (fused_moe did not take it)")
+        if moe.gate.weight.dtype != dtype or (moe.shared_expert_gate is not None
+                                              and moe.shared_expert_gate.weight.dtype != dtype):
+            raise _NotFused("a router or shared expert gate in another dtype than the model's")
+        rows = min(rows, moe.kernel_rows)
+        if moe.shared_expert is not None:  # its quantized linears without the int8 GEMM past the rows they stream
+            for lin in (moe.shared_expert.gate_up_proj, moe.shared_expert.down_proj):
+                if lin.quant_method is not None and not autotune.eligible(lin):
+                    rows = min(rows, lin.kernel_state.stream_rows)
+    return rows
 
 
 def _set_batched(dec, quantized: list, num_layers: int) -> int | None:
@@ -162,6 +194,9 @@ def _set_head(dec, model: CausalLM, dtype: torch.dtype) -> int:
 # verification spans, where the Python frames per hit expert weigh against its weight reads; the streaming kernels
 # take up to 32 rows.
 MOE_MAX_TOKENS = 32
+# Up to this many rows per hit expert a step's experts are shared out among the threads whole (MoeExperts
+# set_expert_split): at decode most hit experts have one row or two.
+EXPERT_SPLIT_ROWS = 4
 
 
 def fused_moe(model: CausalLM) -> int:
@@ -185,15 +220,18 @@ def fused_moe(model: CausalLM) -> int:
         for moe in moes:
             tensors, kinds, quantized = [], [], []
             for e, expert in enumerate(moe.experts):
-                ts = []
-                for j, lin in enumerate((expert.gate_up_proj, expert.down_proj)):
-                    kind, t = _linear(lin)
-                    if lin.quant_method is not None:
-                        quantized.append((e, j, lin))
-                    kinds.append(kind)
-                    ts += t
-                tensors.append([t.data if t is not None else None for t in ts])
+                ts, ks = _expert(expert, e, quantized)
+                tensors.append(ts)
+                kinds += ks
             op = kern.MoeExperts(tensors, kinds)
+            gate = moe.gate
+            op.set_router(gate.weight.data, gate.top_k, gate.renormalize, gate.float32_weights)
+            shared = []  # the shared expert's quantized linears: not the routed op's (its rows stay the experts')
+            if moe.shared_expert is not None:
+                ts, ks = _expert(moe.shared_expert, len(moe.experts), shared)
+                op.set_shared(ts, ks, moe.shared_expert_gate.weight.data)
+                _give_batched(op, shared)
+            op.set_expert_split(EXPERT_SPLIT_ROWS)
             uncovered = _give_batched(op, quantized)
             rows = min([MOE_MAX_TOKENS] + [lin.kernel_state.stream_rows for lin in uncovered])
             built.append((moe, op, rows))
@@ -203,6 +241,19 @@ def fused_moe(model: CausalLM) -> int:
     for moe, op, rows in built:
         moe.kernel, moe.kernel_rows = op, rows
     return len(built)
+
+
+def _expert(mlp, e: int, quantized: list) -> tuple[list, list[int]]:
+    """(6 tensors, 2 kinds) of one expert's gated MLP for MoeExperts; appends (e, j, linear) to `quantized` for each
+    quantized linear."""
+    ts, kinds = [], []
+    for j, lin in enumerate((mlp.gate_up_proj, mlp.down_proj)):
+        kind, t = _linear(lin)
+        if lin.quant_method is not None:
+            quantized.append((e, j, lin))
+        kinds.append(kind)
+        ts += t
+    return [t.data if t is not None else None for t in ts], kinds
 
 
 class FusedForward:

@@ -75,13 +75,14 @@ class ModelRunner:
             config.kv_cache_dtype, self.dtype, cfg.num_layers, self.num_blocks, self.block_size,
             self.num_kv_heads, cfg.head_dim, self.device)
         self.forward = self.model.forward
+        # A mixture-of-experts model's sparse layers: their hit experts in one C++ call each (first: the fused step
+        # below runs their whole MLP blocks through the same ops, and the module path keeps them for longer steps).
+        fused.fused_moe(self.model)
         # Short steps (decode, verification, small chunks) on the CPU: the whole forward in one C++ call when the
         # model allows it (models/fused.py); None keeps every step on self.forward.
         self.fused = fused.fused_decoder(self.model, self.kv_caches, config.kv_cache_dtype, self.tp.size,
                                          self.kv_scales)
         self.fused_steps = 0  # steps that took it
-        # A mixture-of-experts model keeps the module path, each sparse layer's hit experts in one C++ call.
-        fused.fused_moe(self.model)
         # Mixture of experts: the experts each decode pass's router chose, as bytes read (models/expert_reads.py).
         self.expert_reads = expert_reads.attach(self.model)
         if config.execution_mode == "compiled":

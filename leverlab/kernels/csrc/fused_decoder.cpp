@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -37,6 +38,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const c10::optional<at::Tensor>& v_scale);
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
 
+class MoeExperts;
+
 namespace {
 
 // Where a step's time goes (scripts/profile_step.py): wall time per phase, summed over the layers and the steps,
@@ -44,11 +47,12 @@ namespace {
 // Why built in: three rounds of work each added such timers by hand to find where an int4 step's time went, then
 // removed them. Phases, in a step's order: norms (the step's input tensors and embedding lookup, every RMS norm,
 // EAGLE's feature copies), qkv, rope (q/k norms and rotary), attention (paged_decode, with the new K/V's write), o
-// (with its residual add), gate_up, act (SiLU times up), down (with its residual add), head (the output head's logits
-// and their argmax).
-enum Phase : int { kNorms, kQkv, kRope, kAttention, kO, kGateUp, kAct, kDown, kHead, kPhases };
+// (with its residual add), gate_up, act (SiLU times up), down (with its residual add), moe (a sparse layer's whole
+// MLP block: router, experts, shared expert, with its residual add), head (the output head's logits and their
+// argmax).
+enum Phase : int { kNorms, kQkv, kRope, kAttention, kO, kGateUp, kAct, kDown, kMoe, kHead, kPhases };
 constexpr const char* kPhaseNames[kPhases] = {"norms", "qkv", "rope", "attention", "o", "gate_up", "act", "down",
-                                              "head"};
+                                              "moe", "head"};
 
 class PhaseClock {
  public:
@@ -89,7 +93,8 @@ struct Lin {
 
 struct Layer {
   at::Tensor in_norm, post_norm, q_norm, k_norm;  // [H], [H], [D], [D] (q/k norms undefined without them)
-  Lin qkv, o, gate_up, down;
+  Lin qkv, o, gate_up, down;  // gate_up, down: unset in a sparse layer
+  std::shared_ptr<MoeExperts> moe;  // a sparse MoE layer's MLP block (FusedDecoder.set_moe); null: dense
   int64_t window = 0;  // > 0: sliding-window attention
   at::Tensor k_cache, v_cache;  // this layer's KV cache, [num_blocks, block_size, NKV, D] each
   c10::optional<at::Tensor> k_scale, v_scale;  // an int8 cache's scales (set_kv_scales), else none
@@ -399,6 +404,159 @@ std::vector<int64_t> grouped_blocks(int64_t groups, int64_t per_group, int64_t g
 
 }  // namespace
 
+// A gated MLP's output for rows x, gate_up then down: with torch's own SiLU and product, as MLP.forward (not the
+// dense fused step's SiLU loop, which differs in the last bit): float32 equals the module path exactly, and these
+// are ~1/100 of an expert's weight reads.
+at::Tensor gated_mlp(const std::array<Lin, 2>& l, const at::Tensor& x) {
+  const at::Tensor gu = apply(l[0], x);
+  const int64_t I = gu.size(1) / 2;
+  return apply(l[1], at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I));
+}
+
+// The routed experts of one sparse MoE layer (models/moe.py SparseMoE) for decode-sized steps, in one call: what
+// expert_outputs() does from Python, op for op, without its per-expert Python frames (Linear, quant method, MLP:
+// about 30-60 us per hit expert, against ~0.3 ms of int8 weight reads for one expert of the Qwen3-30B-A3B shape).
+// forward() takes the router's choices (the module path routes in torch: SparseMoE.kernel); block() is the whole
+// sparse block, routing and Qwen2-MoE's shared expert included, for the fused decode step (FusedDecoder.set_moe).
+// Each expert's two linears are Lins as the fused decoder holds a dense layer's (models/fused.py _linear), applied
+// with the same kernels (streaming up to its stream_rows, fbgemm's or AMX's int8 GEMM past them: set_batched);
+// the caller takes this path only for steps where every expert's linears pick their kernels as the modules do,
+// so the result equals the module path's bit for bit.
+class MoeExperts {
+ public:
+  // Per expert 6 tensors, (weight, scale, bias) of gate_up then down; kinds holds 2 per expert.
+  MoeExperts(std::vector<std::vector<c10::optional<at::Tensor>>> experts, std::vector<int64_t> kinds) {
+    TORCH_CHECK(kinds.size() == 2 * experts.size(), "MoeExperts: two kinds per expert");
+    for (size_t e = 0; e < experts.size(); ++e) experts_.push_back(mlp_lins(experts[e], kinds[2 * e], kinds[2 * e + 1]));
+  }
+
+  // The router (Router in models/moe.py): its [E, H] weight in the model dtype, top k, renormalize (norm_topk_prob),
+  // float32_weights (Mixtral: the weights scale the outputs in float32; else cast to the model dtype).
+  void set_router(at::Tensor weight, int64_t top_k, bool renormalize, bool float32_weights) {
+    TORCH_CHECK(weight.dim() == 2 && weight.size(0) == num_experts() && top_k >= 1 && top_k <= num_experts(),
+                "MoeExperts.set_router: weight [E, H], 1 <= top_k <= E");
+    router_ = weight;
+    top_k_ = top_k;
+    renormalize_ = renormalize;
+    float32_weights_ = float32_weights;
+  }
+
+  // Qwen2-MoE's shared expert: 6 tensors and 2 kinds as an expert's, and its gate's [1, H] weight (a plain linear).
+  void set_shared(std::vector<c10::optional<at::Tensor>> tensors, std::vector<int64_t> kinds, at::Tensor gate) {
+    TORCH_CHECK(kinds.size() == 2 && gate.dim() == 2 && gate.size(0) == 1, "MoeExperts.set_shared: 2 kinds, gate [1, H]");
+    shared_ = mlp_lins(tensors, kinds[0], kinds[1]);
+    shared_gate_ = gate;
+  }
+
+  // At most this many rows per hit expert (0: never), the hit experts are shared out among the threads, each
+  // expert's linears running whole on one thread, instead of every linear split across all threads: a decode step
+  // of the Qwen3-30B-A3B shape hits 8 small experts per layer (1536 x 2048 and 2048 x 768), and a parallel region
+  // per linear cost its fork, join and wait 16 times a layer.
+  void set_expert_split(int64_t rows) { split_rows_ = rows; }
+
+  // x [T, H], the router's weights [T, k] (model dtype or float32) and chosen experts [T, k] int64 -> the sum over
+  // each token's experts of weight * expert(x) [T, H]. As expert_outputs(): the (token, slot) pairs sorted stably
+  // by expert, each hit expert once over its rows in increasing expert order, the outputs scaled in the weights'
+  // dtype, cast to the model's, and index_add_-ed into zeros (each token's contributions in increasing expert order).
+  at::Tensor forward(const at::Tensor& x_in, const at::Tensor& weights, const at::Tensor& chosen_in) {
+    TORCH_CHECK(x_in.dim() == 2 && chosen_in.dim() == 2 && weights.sizes() == chosen_in.sizes() &&
+                    chosen_in.size(0) == x_in.size(0) && chosen_in.scalar_type() == at::kLong,
+                "MoeExperts.forward: x [T, H], weights and chosen [T, k] (chosen int64)");
+    const at::Tensor x = x_in.contiguous(), chosen = chosen_in.contiguous();
+    const int64_t E = static_cast<int64_t>(experts_.size()), k = chosen.size(1), n = chosen.numel();
+    const int64_t* c = chosen.data_ptr<int64_t>();
+    std::vector<int64_t> count(E + 1, 0);
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(c[i] >= 0 && c[i] < E, "MoeExperts.forward: expert ", c[i], " out of range");
+      ++count[c[i] + 1];
+    }
+    if (n == 0) return at::zeros_like(x);
+    for (int64_t e = 0; e < E; ++e) count[e + 1] += count[e];  // now each expert's first position in `order`
+    at::Tensor order = at::empty({n}, chosen.options()), token = at::empty({n}, chosen.options());
+    int64_t* o = order.data_ptr<int64_t>();
+    std::vector<int64_t> next(count.begin(), count.end() - 1);
+    for (int64_t i = 0; i < n; ++i) o[next[c[i]]++] = i;  // a counting sort: stable, as argsort(stable=True)
+    int64_t* tok = token.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) tok[i] = o[i] / k;
+    const at::Tensor rows = x.index_select(0, token);  // [T * k, H], grouped by expert
+    std::vector<int64_t> hit;
+    int64_t most = 0;
+    for (int64_t e = 0; e < E; ++e)
+      if (count[e + 1] > count[e]) {
+        hit.push_back(e);
+        most = std::max(most, count[e + 1] - count[e]);
+      }
+    std::vector<at::Tensor> ys(hit.size());
+    auto run = [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t e = hit[i];
+        ys[i] = gated_mlp(experts_[e], rows.narrow(0, count[e], count[e + 1] - count[e]));
+      }
+    };
+    // Inside at::parallel_for each kernel's own split runs inline (at::in_parallel_region), so each thread streams
+    // whole experts; a row's value does not depend on which thread computes it (the kernels split by output rows).
+    // Not in float32 with float experts: aten's GEMM there may sum differently by its threads.
+    const bool aten_float = x.scalar_type() == at::kFloat && experts_[0][0].kind == 0;
+    if (most <= split_rows_ && hit.size() > 1 && at::get_num_threads() > 1 && !aten_float)
+      at::parallel_for(0, static_cast<int64_t>(hit.size()), 1, run);
+    else
+      run(0, static_cast<int64_t>(hit.size()));
+    const at::Tensor y = (at::cat(ys) * weights.reshape({-1}).index_select(0, order).unsqueeze(1)).to(x.scalar_type());
+    return at::zeros_like(x).index_add_(0, token, y);
+  }
+
+  // The whole sparse block on x [T, H] (SparseMoE.forward op for op): router logits in the model dtype, softmax in
+  // float32, at::topk (torch.topk itself, so ties resolve as transformers' do: CPU topk is not lowest-index-first),
+  // renormalized and cast as set_router says; forward(); plus sigmoid(gate(x)) * shared_expert(x) when set_shared.
+  at::Tensor block(const at::Tensor& x) {
+    TORCH_CHECK(router_.defined(), "MoeExperts.block: set_router first");
+    const at::Tensor logits = at::linear(x, router_);
+    auto [w, chosen] = at::topk(at::softmax(logits, -1, at::kFloat), top_k_, -1);
+    if (renormalize_) w = w / w.sum(-1, true);
+    if (!float32_weights_) w = w.to(logits.scalar_type());
+    at::Tensor out = forward(x, w, chosen);
+    if (shared_gate_.defined()) out = out + at::sigmoid(at::linear(x, shared_gate_)) * gated_mlp(shared_, x);
+    return out;
+  }
+
+  int64_t num_experts() const { return static_cast<int64_t>(experts_.size()); }
+
+  // Expert e's linear j (0 gate_up, 1 down; e = num_experts(): the shared expert's) takes fbgemm's GEMM past
+  // stream_rows rows, as FusedDecoder's do: the module path switches per expert by its own rows, and so does this.
+  void set_batched(int64_t e, int64_t j, const torch::jit::Object& packed, int64_t stream_rows, bool reduce_range) {
+    set_lin_batched(linear(e, j), packed, stream_rows, reduce_range);
+  }
+  void set_batched_amx(int64_t e, int64_t j, at::Tensor packed, at::Tensor scale, int64_t stream_rows) {
+    set_lin_batched_amx(linear(e, j), packed, scale, stream_rows);
+  }
+
+ private:
+  static std::array<Lin, 2> mlp_lins(const std::vector<c10::optional<at::Tensor>>& t, int64_t k0, int64_t k1) {
+    TORCH_CHECK(t.size() == 6, "MoeExperts: 6 tensors per expert");
+    auto get = [](const c10::optional<at::Tensor>& v) { return v.has_value() ? *v : at::Tensor(); };
+    std::array<Lin, 2> l;
+    for (int j = 0; j < 2; ++j) {
+      l[j].kind = j == 0 ? k0 : k1;
+      l[j].w = get(t[3 * j]);
+      l[j].scale = get(t[3 * j + 1]);
+      l[j].bias = get(t[3 * j + 2]);
+    }
+    return l;
+  }
+  Lin& linear(int64_t e, int64_t j) {
+    TORCH_CHECK(e >= 0 && e <= num_experts() && j >= 0 && j < 2 && (e < num_experts() || shared_gate_.defined()),
+                "MoeExperts: expert (num_experts: the shared one, after set_shared), linear (0 gate_up, 1 down)");
+    return e < num_experts() ? experts_[e][j] : shared_[j];
+  }
+  std::vector<std::array<Lin, 2>> experts_;  // gate_up, down
+  at::Tensor router_;  // set_router: [E, H]
+  int64_t top_k_ = 0;
+  bool renormalize_ = false, float32_weights_ = false;
+  std::array<Lin, 2> shared_;  // set_shared
+  at::Tensor shared_gate_;  // [1, H]; undefined: no shared expert
+  int64_t split_rows_ = 0;
+};
+
 class FusedDecoder {
  public:
   FusedDecoder(at::Tensor embed, at::Tensor final_norm, at::Tensor cos, at::Tensor sin,
@@ -455,6 +613,13 @@ class FusedDecoder {
     Layer& l = layers_[i];
     Lin* lins[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
     return *lins[j];
+  }
+
+  // Layer i's MLP block is sparse: `moe` (built by models/fused.py fused_moe, with its router) computes it, in
+  // place of the dense gate_up / act / down.
+  void set_moe(int64_t i, std::shared_ptr<MoeExperts> moe) {
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers_.size()) && moe, "set_moe: layer, MoeExperts");
+    layers_[i].moe = std::move(moe);
   }
 
   // Layer i's linear j takes fbgemm's GEMM past stream_rows rows.
@@ -534,9 +699,12 @@ class FusedDecoder {
   // Phase timing (PhaseClock) on or off; phase_times() returns {phase: seconds} summed since the last call (and
   // "steps": the calls timed: step, forward, head_step), then starts the sums again.
   void set_phase_timing(bool on) { timing_ = on; }
+  // ("moe" only for a model with sparse layers.)
   std::vector<std::pair<std::string, double>> phase_times() {
     std::vector<std::pair<std::string, double>> out;
-    for (int p = 0; p < kPhases; ++p) out.emplace_back(kPhaseNames[p], phase_ns_[p] * 1e-9);
+    const bool sparse = std::any_of(layers_.begin(), layers_.end(), [](const Layer& l) { return l.moe != nullptr; });
+    for (int p = 0; p < kPhases; ++p)
+      if (p != kMoe || sparse) out.emplace_back(kPhaseNames[p], phase_ns_[p] * 1e-9);
     out.emplace_back("steps", static_cast<double>(timed_steps_));
     phase_ns_.fill(0.0);
     timed_steps_ = 0;
@@ -709,6 +877,11 @@ class FusedDecoder {
     // ---- MLP block
     rms_norm_rows<T>(x.data_ptr<T>(), l.post_norm.data_ptr<T>(), hm.data_ptr<T>(), T_, H, eps);
     clock.lap(kNorms);
+    if (l.moe) {  // a sparse layer: x + SparseMoE(hm)
+      add_into<T>(x, l.moe->block(hm));
+      clock.lap(kMoe);
+      return;
+    }
     at::Tensor act;
     const int64_t I = l.gate_up.amx_w.defined() ? l.gate_up.amx_scale.numel() / 2 : 0;
     if (grouped_gemm(l.gate_up, T_) && I % 32 == 0) {
@@ -776,99 +949,20 @@ class FusedDecoder {
   double eps_, scale_;
 };
 
-// The routed experts of one sparse MoE layer (models/moe.py SparseMoE) for decode-sized steps, in one call: what
-// expert_outputs() does from Python, op for op, without its per-expert Python frames (Linear, quant method, MLP:
-// about 30-60 us per hit expert, against ~0.3 ms of int8 weight reads for one expert of the Qwen3-30B-A3B shape).
-// The routing stays in torch (Router.forward), so ties and numerics stay transformers'; this takes its choices.
-// Each expert's two linears are Lins as the fused decoder holds a dense layer's (models/fused.py _linear), applied
-// with the same kernels (streaming up to its stream_rows, fbgemm's or AMX's int8 GEMM past them: set_batched);
-// the caller takes this path only for steps where every expert's linears pick their kernels as the modules do,
-// so the result equals the module path's bit for bit.
-class MoeExperts {
- public:
-  // Per expert 6 tensors, (weight, scale, bias) of gate_up then down; kinds holds 2 per expert.
-  MoeExperts(std::vector<std::vector<c10::optional<at::Tensor>>> experts, std::vector<int64_t> kinds) {
-    TORCH_CHECK(kinds.size() == 2 * experts.size(), "MoeExperts: two kinds per expert");
-    auto get = [](const c10::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); };
-    for (size_t e = 0; e < experts.size(); ++e) {
-      const auto& t = experts[e];
-      TORCH_CHECK(t.size() == 6, "MoeExperts: 6 tensors per expert");
-      std::array<Lin, 2> l;
-      for (int j = 0; j < 2; ++j) {
-        l[j].kind = kinds[2 * e + j];
-        l[j].w = get(t[3 * j]);
-        l[j].scale = get(t[3 * j + 1]);
-        l[j].bias = get(t[3 * j + 2]);
-      }
-      experts_.push_back(std::move(l));
-    }
-  }
-
-  // x [T, H], the router's weights [T, k] (model dtype or float32) and chosen experts [T, k] int64 -> the sum over
-  // each token's experts of weight * expert(x) [T, H]. As expert_outputs(): the (token, slot) pairs sorted stably
-  // by expert, each hit expert once over its rows in increasing expert order, the outputs scaled in the weights'
-  // dtype, cast to the model's, and index_add_-ed into zeros (each token's contributions in increasing expert order).
-  at::Tensor forward(const at::Tensor& x_in, const at::Tensor& weights, const at::Tensor& chosen_in) {
-    TORCH_CHECK(x_in.dim() == 2 && chosen_in.dim() == 2 && weights.sizes() == chosen_in.sizes() &&
-                    chosen_in.size(0) == x_in.size(0) && chosen_in.scalar_type() == at::kLong,
-                "MoeExperts.forward: x [T, H], weights and chosen [T, k] (chosen int64)");
-    const at::Tensor x = x_in.contiguous(), chosen = chosen_in.contiguous();
-    const int64_t E = static_cast<int64_t>(experts_.size()), k = chosen.size(1), n = chosen.numel();
-    const int64_t* c = chosen.data_ptr<int64_t>();
-    std::vector<int64_t> count(E + 1, 0);
-    for (int64_t i = 0; i < n; ++i) {
-      TORCH_CHECK(c[i] >= 0 && c[i] < E, "MoeExperts.forward: expert ", c[i], " out of range");
-      ++count[c[i] + 1];
-    }
-    if (n == 0) return at::zeros_like(x);
-    for (int64_t e = 0; e < E; ++e) count[e + 1] += count[e];  // now each expert's first position in `order`
-    at::Tensor order = at::empty({n}, chosen.options()), token = at::empty({n}, chosen.options());
-    int64_t* o = order.data_ptr<int64_t>();
-    std::vector<int64_t> next(count.begin(), count.end() - 1);
-    for (int64_t i = 0; i < n; ++i) o[next[c[i]]++] = i;  // a counting sort: stable, as argsort(stable=True)
-    int64_t* tok = token.data_ptr<int64_t>();
-    for (int64_t i = 0; i < n; ++i) tok[i] = o[i] / k;
-    const at::Tensor rows = x.index_select(0, token);  // [T * k, H], grouped by expert
-    std::vector<at::Tensor> ys;
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t m = count[e + 1] - count[e];
-      if (m == 0) continue;
-      const at::Tensor gu = apply(experts_[e][0], rows.narrow(0, count[e], m));
-      // torch's own ops, as MLP.forward (not the dense fused step's SiLU loop, which differs in the last bit):
-      // float32 equals the module path exactly, and these are ~1/100 of an expert's weight reads.
-      const int64_t I = gu.size(1) / 2;
-      ys.push_back(apply(experts_[e][1], at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I)));
-    }
-    const at::Tensor y = (at::cat(ys) * weights.reshape({-1}).index_select(0, order).unsqueeze(1)).to(x.scalar_type());
-    return at::zeros_like(x).index_add_(0, token, y);
-  }
-
-  int64_t num_experts() const { return static_cast<int64_t>(experts_.size()); }
-
-  // Expert e's linear j (0 gate_up, 1 down) takes fbgemm's GEMM past stream_rows rows, as FusedDecoder's do: the
-  // module path switches per expert by its own rows, and so does this.
-  void set_batched(int64_t e, int64_t j, const torch::jit::Object& packed, int64_t stream_rows, bool reduce_range) {
-    set_lin_batched(linear(e, j), packed, stream_rows, reduce_range);
-  }
-  void set_batched_amx(int64_t e, int64_t j, at::Tensor packed, at::Tensor scale, int64_t stream_rows) {
-    set_lin_batched_amx(linear(e, j), packed, scale, stream_rows);
-  }
-
- private:
-  Lin& linear(int64_t e, int64_t j) {
-    TORCH_CHECK(e >= 0 && e < num_experts() && j >= 0 && j < 2, "MoeExperts: expert, linear (0 gate_up, 1 down)");
-    return experts_[e][j];
-  }
-  std::vector<std::array<Lin, 2>> experts_;  // gate_up, down
-};
-
 void bind_fused_decoder(pybind11::module& m) {
-  pybind11::class_<MoeExperts>(m, "MoeExperts")
+  pybind11::class_<MoeExperts, std::shared_ptr<MoeExperts>>(m, "MoeExperts")
       .def(pybind11::init<std::vector<std::vector<c10::optional<at::Tensor>>>, std::vector<int64_t>>())
       .def("forward", &MoeExperts::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "x [T, H], routing weights [T, k], chosen experts [T, k] int64 -> sum of weight * expert(x) [T, H]")
-      .def("set_batched", &MoeExperts::set_batched, "expert, linear (0 gate_up, 1 down), fbgemm packed weight, "
-           "stream_rows, reduce_range: as FusedDecoder.set_batched")
+      .def("block", &MoeExperts::block, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "x [T, H] -> the sparse block's output [T, H]: routing, experts, shared expert (set_router first)")
+      .def("set_router", &MoeExperts::set_router, "weight [E, H], top_k, renormalize, float32_weights")
+      .def("set_shared", &MoeExperts::set_shared, "6 tensors, 2 kinds (as an expert's), gate weight [1, H]: "
+           "Qwen2-MoE's shared expert")
+      .def("set_expert_split", &MoeExperts::set_expert_split, "rows: at most this many rows per hit expert, the "
+           "threads take whole experts (0: every linear split across the threads)")
+      .def("set_batched", &MoeExperts::set_batched, "expert (num_experts: the shared one), linear (0 gate_up, "
+           "1 down), fbgemm packed weight, stream_rows, reduce_range: as FusedDecoder.set_batched")
       .def("set_batched_amx", &MoeExperts::set_batched_amx, "expert, linear, AMX-packed int8 weight, float32 "
            "scales, stream_rows: as FusedDecoder.set_batched_amx")
       .def("num_experts", &MoeExperts::num_experts);
@@ -880,6 +974,7 @@ void bind_fused_decoder(pybind11::module& m) {
       // The GIL is released for the forward: the server's event loop (another thread) writes the previous
       // step's tokens to their streams while this step computes, instead of waiting for it.
       .def("set_head", &FusedDecoder::set_head, "kind, weight, scale or None: the output head for step()")
+      .def("set_moe", &FusedDecoder::set_moe, "layer, MoeExperts (with its router): that layer's MLP block")
       .def("set_batched", &FusedDecoder::set_batched,
            "layer, linear (0 qkv, 1 o, 2 gate_up, 3 down), fbgemm packed weight, stream_rows, reduce_range: past "
            "stream_rows rows that linear takes fbgemm's int8 GEMM")
