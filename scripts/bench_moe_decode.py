@@ -152,6 +152,7 @@ def main() -> int:
     from bench_moe_load import write_checkpoint
 
     from leverlab import LLM
+    from leverlab.kernels import cpu_kernels
     from leverlab.models.moe import SparseMoE
     from leverlab.study.bandwidth import measure_bandwidth
 
@@ -176,9 +177,11 @@ def main() -> int:
             print(f"{quant}: no C++ MoE op here (fused_moe logged why)")
             return 1
         fused_step = llm.engine.runner.fused
+        kern = cpu_kernels.kernels()
+        prefetch = ", ".join(f"{f} {kern.stream_prefetch(f)}" for f in ("bf16", "int8", "int4"))
         print(f"{quant} (C++ op up to {kernels[0][1]} tokens; fused step "
-              f"{'up to ' + str(fused_step.max_tokens) + ' tokens' if fused_step else 'off: fused_decoder logged why'})",
-              flush=True)
+              f"{'up to ' + str(fused_step.max_tokens) + ' tokens' if fused_step else 'off: fused_decoder logged why'};"
+              f" weight prefetch chosen at load: {prefetch})", flush=True)
         for n in (1, 16):
             print("  " + layer_times(moes, kernels, n, a.rounds, bw), flush=True)
             print("  " + step_times(llm, moes, kernels, n, a.steps, a.rounds, bw), flush=True)

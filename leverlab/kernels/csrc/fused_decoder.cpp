@@ -17,6 +17,7 @@
 #include <torch/csrc/jit/api/object.h>
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -494,13 +495,19 @@ class MoeExperts {
       }
     };
     // Inside at::parallel_for each kernel's own split runs inline (at::in_parallel_region), so each thread streams
-    // whole experts; a row's value does not depend on which thread computes it (the kernels split by output rows).
-    // Not in float32 with float experts: aten's GEMM there may sum differently by its threads.
+    // whole experts, taking the next one left as it finishes one (a thread whose memory stream runs slower for a
+    // while does fewer); a row's value does not depend on which thread computes it (the kernels split by output
+    // rows). Not in float32 with float experts: aten's GEMM there may sum differently by its threads.
     const bool aten_float = x.scalar_type() == at::kFloat && experts_[0][0].kind == 0;
-    if (most <= split_rows_ && hit.size() > 1 && at::get_num_threads() > 1 && !aten_float)
-      at::parallel_for(0, static_cast<int64_t>(hit.size()), 1, run);
-    else
-      run(0, static_cast<int64_t>(hit.size()));
+    const int64_t nh = static_cast<int64_t>(hit.size()), threads = std::min<int64_t>(at::get_num_threads(), nh);
+    if (most <= split_rows_ && threads > 1 && !aten_float) {
+      std::atomic<int64_t> next{0};
+      at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+        for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < nh;) run(i, i + 1);
+      });
+    } else {
+      run(0, nh);
+    }
     const at::Tensor y = (at::cat(ys) * weights.reshape({-1}).index_select(0, order).unsqueeze(1)).to(x.scalar_type());
     return at::zeros_like(x).index_add_(0, token, y);
   }
