@@ -119,7 +119,8 @@ def _build(model: CausalLM, kv_caches, kv_cache_dtype: str, tp_size: int, kv_sca
     if moe_rows is not None:
         rows = moe_rows if rows is None else min(rows, moe_rows)
     span = None if kern.has_tiled_attention() else MAX_SPAN
-    return FusedForward(dec, max_tokens=rows, head_rows=head_rows, max_span=span)
+    sparse = [(layer.mlp, layer.mlp.kernel) for layer in model.model.layers if isinstance(layer.mlp, SparseMoE)]
+    return FusedForward(dec, max_tokens=rows, head_rows=head_rows, max_span=span, sparse=sparse)
 
 
 def _sparse_rows(model: CausalLM, dtype: torch.dtype) -> int:
@@ -257,9 +258,17 @@ def _expert(mlp, e: int, quantized: list) -> tuple[list, list[int]]:
 
 
 class FusedForward:
-    def __init__(self, dec, max_tokens: int | None, head_rows: int = 0, max_span: int | None = MAX_SPAN):
+    def __init__(self, dec, max_tokens: int | None, head_rows: int = 0, max_span: int | None = MAX_SPAN,
+                 sparse: list | None = None):
         # max_span: the most new tokens of one sequence a step may bring (None: any, prefill chunks included)
         self.dec, self.max_tokens, self.head_rows, self.max_span = dec, max_tokens, head_rows, max_span
+        self.sparse = sparse or []  # (SparseMoE, its MoeExperts op) per sparse layer
+
+    def record_hits(self, reads) -> None:
+        """Hand the last step's distinct experts per sparse layer to the expert-read counters (models/expert_reads.py
+        ExpertReads): the step routed in C++, where the routers' Python hooks do not see it."""
+        for moe, op in self.sparse:
+            reads.record_hits(moe, op.last_hits())
 
     def takes(self, max_query_len: int, num_tokens: int) -> bool:
         """Whether this step is short enough for the fused path."""

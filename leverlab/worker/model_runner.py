@@ -191,6 +191,8 @@ class ModelRunner:
             else:
                 logits = self.model.compute_logits(hidden[self._i64(rows)]).cpu() if rows else torch.empty(0, 0)
         if self.expert_reads is not None:
+            if fused:  # the sparse layers routed inside the C++ step
+                self.fused.record_hits(self.expert_reads)
             self.expert_reads.end()
         prompt_logits, off = [], len(sample_rows)
         for seq, first, _, k in prompt_rows:

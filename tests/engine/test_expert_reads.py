@@ -47,10 +47,12 @@ def reference_reads(llm, prompts, params):
         return out
 
     runner.execute = recording
+    fused_step, runner.fused = runner.fused, None  # the routers in Python, where the hooks see them (not the C++ step)
     try:
         outs = llm.generate(prompts, params)
     finally:
         runner.execute = execute
+        runner.fused = fused_step
         for h in hooks:
             h.remove()
     return outs, passes, experts, read, shared
@@ -133,6 +135,8 @@ def test_a_pass_with_a_layer_out_of_sight_is_left_out_whole(checkpoint_factory):
     llm = LLM(checkpoint_factory("qwen3-moe"), dtype="float32")
     moes = sparse_layers(llm)
     reads = moes[0].reads
+    llm.engine.runner.fused = None  # the module path, where each layer reports its own choices (the fused step
+    # reports every layer's at once: test_moe_fused.py)
     moes[1].reads = None  # layer 1 stops reporting
     llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     c = llm.engine.counter_snapshot()

@@ -196,3 +196,23 @@ def test_phase_timing_names_the_sparse_blocks(checkpoint_factory):
     times = dict(dec.phase_times())
     assert list(times) == ["norms", "qkv", "rope", "attention", "o", "gate_up", "act", "down", "moe", "head", "steps"]
     assert times.pop("steps") > 0 and all(v > 0 for v in times.values())
+
+
+@pytest.mark.parametrize("arch", ("qwen3-moe", "qwen2-moe"))
+def test_fused_step_hands_its_experts_to_the_read_counters(checkpoint_factory, arch):
+    """The fused step routes in C++, out of the routers' Python hooks: it hands each sparse layer's distinct experts
+    to models/expert_reads.py itself, and counts what the module path counts (float32: the same routing)."""
+    path = checkpoint_factory(arch)
+
+    def counts(llm):
+        llm.generate(PROMPTS, GREEDY)
+        c = llm.engine.counter_snapshot()
+        assert c["moe_decode_passes_uncounted"] == 0 and c["moe_decode_passes"] > 0
+        return c["moe_decode_passes"], c["moe_experts_read"], c["moe_weight_bytes_read"]
+
+    llm = LLM(path, dtype="float32")
+    got = counts(llm)
+    assert llm.engine.runner.fused_steps > 0
+    plain = LLM(path, dtype="float32")
+    plain.engine.runner.fused = None
+    assert got == counts(plain)

@@ -471,6 +471,7 @@ class MoeExperts {
       TORCH_CHECK(c[i] >= 0 && c[i] < E, "MoeExperts.forward: expert ", c[i], " out of range");
       ++count[c[i] + 1];
     }
+    last_hits_ = 0;
     if (n == 0) return at::zeros_like(x);
     for (int64_t e = 0; e < E; ++e) count[e + 1] += count[e];  // now each expert's first position in `order`
     at::Tensor order = at::empty({n}, chosen.options()), token = at::empty({n}, chosen.options());
@@ -487,6 +488,7 @@ class MoeExperts {
         hit.push_back(e);
         most = std::max(most, count[e + 1] - count[e]);
       }
+    last_hits_ = static_cast<int64_t>(hit.size());
     std::vector<at::Tensor> ys(hit.size());
     auto run = [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
@@ -528,6 +530,10 @@ class MoeExperts {
 
   int64_t num_experts() const { return static_cast<int64_t>(experts_.size()); }
 
+  // How many distinct experts the last forward() (or block()) ran: what the fused step hands to the expert-read
+  // counters (models/expert_reads.py record_hits), its routing being out of Python's sight.
+  int64_t last_hits() const { return last_hits_; }
+
   // Expert e's linear j (0 gate_up, 1 down; e = num_experts(): the shared expert's) takes fbgemm's GEMM past
   // stream_rows rows, as FusedDecoder's do: the module path switches per expert by its own rows, and so does this.
   void set_batched(int64_t e, int64_t j, const torch::jit::Object& packed, int64_t stream_rows, bool reduce_range) {
@@ -562,6 +568,7 @@ class MoeExperts {
   std::array<Lin, 2> shared_;  // set_shared
   at::Tensor shared_gate_;  // [1, H]; undefined: no shared expert
   int64_t split_rows_ = 0;
+  int64_t last_hits_ = 0;
 };
 
 class FusedDecoder {
@@ -972,6 +979,7 @@ void bind_fused_decoder(pybind11::module& m) {
            "1 down), fbgemm packed weight, stream_rows, reduce_range: as FusedDecoder.set_batched")
       .def("set_batched_amx", &MoeExperts::set_batched_amx, "expert, linear, AMX-packed int8 weight, float32 "
            "scales, stream_rows: as FusedDecoder.set_batched_amx")
+      .def("last_hits", &MoeExperts::last_hits, "distinct experts the last forward / block ran")
       .def("num_experts", &MoeExperts::num_experts);
   pybind11::class_<FusedDecoder>(m, "FusedDecoder")
       .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor,
