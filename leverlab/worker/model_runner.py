@@ -118,7 +118,13 @@ class ModelRunner:
         ctx = max(0, min(128, (self.num_blocks - 1) * self.block_size, self.model_config.max_position_embeddings - 1))
         table = list(range(ctx // self.block_size + 1))
         slot = table[-1] * self.block_size + ctx % self.block_size
-        return lambda: self.fused.step([1], [ctx], [slot], [table], [ctx + 1], [0, 1], [0])
+        if not self.model_config.is_moe:
+            return lambda: self.fused.step([1], [ctx], [slot], [table], [ctx + 1], [0, 1], [0])
+        # A mixture of experts: a new token each step, so that its routers pick other experts, as decoding does (one
+        # token over and over reads the same few experts, from the last-level cache once they fit there).
+        tokens = iter(range(1 << 62))
+        vocab = self.model_config.vocab_size
+        return lambda: self.fused.step([next(tokens) % vocab], [ctx], [slot], [table], [ctx + 1], [0, 1], [0])
 
     def set_aux_capture(self, on: bool) -> None:
         """Return EAGLE's aux layers' outputs from the following steps, or not: while speculation is gated
