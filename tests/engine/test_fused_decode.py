@@ -91,6 +91,27 @@ def test_engine_tokens_identical_with_and_without_fused_path(checkpoint_factory,
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
 
 
+def test_int8_head_takes_batches_past_its_streaming_rows_in_the_fused_step(checkpoint_factory, monkeypatch):
+    """An int8 model's head (int8, with the int8 GEMM beside its streaming kernel) takes a decode batch of any size
+    in the fused step, on the kernel the module path would use there: the module path's tokens and logprobs in
+    float32 (in bf16 the fused step's hidden states round apart from the modules' at long contexts anyway)."""
+    dtype = "float32"
+    monkeypatch.setenv("LEVERLAB_STREAM_ROWS", "2")
+    path = checkpoint_factory("qwen3")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    llm = LLM(path, dtype=dtype, quantization="int8")
+    assert llm.engine.runner.model.lm_head.quant_method is not None
+    assert llm.engine.runner.fused.takes_head(len(PROMPTS))
+    outs = llm.generate(PROMPTS, params)
+    monkeypatch.setenv("LEVERLAB_NO_FUSED_DECODE", "1")
+    ref = LLM(path, dtype=dtype, quantization="int8").generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    for o, r in zip(outs, ref):
+        for got, want in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert got.keys() == want.keys()
+            assert [got[t].logprob for t in got] == pytest.approx([want[t].logprob for t in got], abs=1e-4)
+
+
 def test_prefill_takes_the_fused_path_where_attention_tiles(checkpoint_factory):
     """A 200-token prompt is one fused call (no module dispatch per op), with the module path's tokens."""
     if not cpu_kernels.kernels().has_tiled_attention():

@@ -652,6 +652,15 @@ class FusedDecoder {
     head_.scale = scale.has_value() ? *scale : at::Tensor();
   }
 
+  // The head's int8 GEMM past its streaming rows, as set_batched / set_batched_amx give a layer's: the module
+  // path's kernel for those rows, so a step of any size takes its logits here with the same values.
+  void set_head_batched(const torch::jit::Object& packed, int64_t stream_rows, bool reduce_range) {
+    set_lin_batched(head_, packed, stream_rows, reduce_range);
+  }
+  void set_head_batched_amx(at::Tensor packed, at::Tensor scale, int64_t stream_rows) {
+    set_lin_batched_amx(head_, packed, scale, stream_rows);
+  }
+
   // A whole short step from plain lists, so that Python builds no tensors: the forward, then the head's logits for
   // `rows` (float32 [R, V], as CausalLM.compute_logits returns them) and each row's argmax (the first maximum, as
   // torch.argmax). tables: one block table per sequence (any lengths). Returns (hidden [T, H], aux or None,
@@ -989,6 +998,10 @@ void bind_fused_decoder(pybind11::module& m) {
       // The GIL is released for the forward: the server's event loop (another thread) writes the previous
       // step's tokens to their streams while this step computes, instead of waiting for it.
       .def("set_head", &FusedDecoder::set_head, "kind, weight, scale or None: the output head for step()")
+      .def("set_head_batched", &FusedDecoder::set_head_batched, "fbgemm's packed int8 head, stream_rows, "
+           "reduce_range: the head's GEMM past its streaming rows (as set_batched)")
+      .def("set_head_batched_amx", &FusedDecoder::set_head_batched_amx, "AMX-packed int8 head, float32 scales, "
+           "stream_rows (as set_batched_amx)")
       .def("set_moe", &FusedDecoder::set_moe, "layer, MoeExperts (with its router): that layer's MLP block")
       .def("set_batched", &FusedDecoder::set_batched,
            "layer, linear (0 qkv, 1 o, 2 gate_up, 3 down), fbgemm packed weight, stream_rows, reduce_range: past "
