@@ -37,3 +37,12 @@ def hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
     reference the engine's float32 greedy tokens must equal."""
     out = ref.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None)
     return out[0, len(prompt):].tolist()
+
+
+def tp_engine(path, tp: int, **kw):
+    """A float32 eager engine at --tensor-parallel-size tp with a 64-token step budget (prompts chunk), as the
+    tensor-parallel tests build them; close it after (the `closing` fixture of tests/engine/conftest.py)."""
+    from leverlab import LLM
+
+    return LLM(str(path), dtype="float32", execution_mode="eager", tensor_parallel_size=tp,
+               max_num_batched_tokens=64, **kw)

@@ -15,6 +15,7 @@ from leverlab.errors import UnsupportedLever
 from leverlab.models.moe import SparseMoE
 from tests.checkpoints import MOE_ARCHS
 from tests.engine.helpers import hf_greedy
+from tests.engine.helpers import tp_engine as engine  # closing: the fixture in tests/engine/conftest.py
 
 # A decode alone, a prompt of a few blocks (chunked by the 64-token budget when batched with the others), and
 # one of 70 tokens split over two chunks: prefill runs the module loop, decode steps the C++ experts op.
@@ -22,28 +23,8 @@ PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 47)), [7], [100, 3, 250, 17, 9, 31, 2
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-def engine(path, tp: int, **kw) -> LLM:
-    return LLM(str(path), dtype="float32", execution_mode="eager", tensor_parallel_size=tp,
-               max_num_batched_tokens=64, **kw)
-
-
 def tokens(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-
-
-@pytest.fixture
-def closing():
-    """Engines made through it are closed at the end of the test, whatever happens."""
-    made: list[LLM] = []
-
-    def make(*args, **kw) -> LLM:
-        llm = engine(*args, **kw)
-        made.append(llm)
-        return llm
-
-    yield make
-    for llm in made:
-        llm.engine.close()
 
 
 def sparse_layers(llm: LLM) -> list[SparseMoE]:

@@ -15,6 +15,7 @@ import pytest
 
 from leverlab import LLM, SamplingParams
 from leverlab.errors import TensorParallelError, UnsupportedLever
+from tests.engine.helpers import tp_engine as engine  # closing: the fixture in tests/engine/conftest.py
 
 ARCHS = ("qwen3", "qwen2", "llama", "llama-tied", "mistral")
 # Varied lengths: one token, a block and a bit, several blocks (chunked prefill with the small token budget),
@@ -25,26 +26,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 def tokens(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-
-
-def engine(path: str, tp: int, **kw) -> LLM:
-    return LLM(path, dtype="float32", execution_mode="eager", tensor_parallel_size=tp,
-               max_num_batched_tokens=64, **kw)
-
-
-@pytest.fixture
-def closing():
-    """Engines made through it are closed at the end of the test, whatever happens."""
-    made: list[LLM] = []
-
-    def make(*args, **kw) -> LLM:
-        llm = engine(*args, **kw)
-        made.append(llm)
-        return llm
-
-    yield make
-    for llm in made:
-        llm.engine.close()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
