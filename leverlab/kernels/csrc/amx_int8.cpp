@@ -265,7 +265,7 @@ template <typename T>
 void amx_int8_grouped(const T* x, int64_t M, int64_t K, const at::Tensor& packed, const at::Tensor& w_scale,
                       const std::vector<int64_t>& block_rows, int64_t per_group, const AmxEpilogue<T>& epi) {
   TORCH_CHECK(amx_int8_available(), "amx_int8_grouped: this build or CPU has no AMX int8");
-  const int64_t Np = packed.size(0), Kp = packed.size(1), groups = static_cast<int64_t>(block_rows.size()) / per_group;
+  const int64_t Kp = packed.size(1), groups = static_cast<int64_t>(block_rows.size()) / per_group;
   TORCH_CHECK(per_group > 0 && groups * per_group == static_cast<int64_t>(block_rows.size()) && K <= Kp &&
                   Kp < K + kDepth && packed.is_contiguous() && w_scale.is_contiguous(),
               "amx_int8_grouped: blocks of whole groups, x's K matching the packed weight");
@@ -299,7 +299,7 @@ void amx_int8_grouped(const T* x, int64_t M, int64_t K, const at::Tensor& packed
     });
   }
 #else
-  (void)x, (void)K, (void)epi, (void)Np;
+  (void)x, (void)K, (void)epi;
 #endif
 }
 

@@ -906,13 +906,13 @@ class FusedDecoder {
       return;
     }
     at::Tensor act;
-    const int64_t I = l.gate_up.amx_w.defined() ? l.gate_up.amx_scale.numel() / 2 : 0;
-    if (grouped_gemm(l.gate_up, T_) && I % 32 == 0) {
+    if (grouped_gemm(l.gate_up, T_) && l.gate_up.amx_scale.numel() % 64 == 0) {
       // 32 gate columns and their 32 up columns at a time, SiLU(gate) * up while they are in L1: the [T, 2 I]
       // output is never stored, nor read back. Same values as the two passes below. The 0.6B shape's cold
-      // 1,024-token int8 prefill, one thread, alternating processes: gate_up + act 416 / 409 ms -> 329 / 311 (of
-      // ~1,300). The same done for the qkv's q/k norm and rotary, and o's and down's residual adds, gained nothing
+      // 1,024-token int8 prefill, one thread, alternating processes: gate_up + act 396 / 406 ms -> 286 / 279 (of
+      // ~1,250). The same done for the qkv's q/k norm and rotary, and o's and down's residual adds, gained nothing
       // (their passes are bound by their arithmetic, not by reading the outputs back): not kept.
+      const int64_t I = l.gate_up.amx_scale.numel() / 2;
       act = at::empty({T_, I}, x.options());
       T* a = act.data_ptr<T>();
       const AmxEpilogue<T> silu_out = [&](int64_t g, int64_t m0, int64_t rows, const T* out, int64_t ld) {
@@ -924,18 +924,18 @@ class FusedDecoder {
     } else {
       at::Tensor gu = apply(l.gate_up, hm);  // [T, 2 I]
       clock.lap(kGateUp);
-      const int64_t In = gu.size(1) / 2;
-      act = at::empty({T_, In}, x.options());
+      const int64_t I = gu.size(1) / 2;
+      act = at::empty({T_, I}, x.options());
       const T* g = gu.data_ptr<T>();
       T* a = act.data_ptr<T>();
       // In spans of kActSpan elements of a row, split between the threads: a Zen 1 takes ~14 us for one token's
       // 3,072 (the 0.6B shape), its exp, division and two bf16 roundings a chain too long to overlap much.
       constexpr int64_t kActSpan = 256;
-      const int64_t spans = (In + kActSpan - 1) / kActSpan;
+      const int64_t spans = (I + kActSpan - 1) / kActSpan;
       at::parallel_for(0, T_ * spans, 1, [&](int64_t s0, int64_t s1) {
         for (int64_t sp = s0; sp < s1; ++sp) {
-          const int64_t t = sp / spans, i = sp % spans * kActSpan, e = std::min(In, i + kActSpan);
-          silu_mul_span<T>(g + t * 2 * In + i, g + t * 2 * In + In + i, a + t * In + i, e - i);
+          const int64_t t = sp / spans, i = sp % spans * kActSpan, e = std::min(I, i + kActSpan);
+          silu_mul_span<T>(g + t * 2 * I + i, g + t * 2 * I + I + i, a + t * I + i, e - i);
         }
       });
     }
