@@ -101,10 +101,10 @@ inline void product_2x2(const uint16_t* a, int64_t ld, int64_t a_step, const uin
 }
 
 struct Scratch {
-  std::vector<uint16_t> q;  // [kQ][D] the block's query rows, zero past n
-  std::vector<float> s;     // [kQ][Lk] scores
-  std::vector<uint16_t> p;  // [kQ][Lk] probabilities (unnormalized), bf16
-  std::vector<float> o;     // [kQ][D]
+  amx::tile_vector<uint16_t> q;  // [kQ][D] the block's query rows, zero past n
+  amx::tile_vector<float> s;     // [kQ][Lk] scores
+  amx::tile_vector<uint16_t> p;  // [kQ][Lk] probabilities (unnormalized), bf16
+  amx::tile_vector<float> o;     // [kQ][D]
   float inv[kQ];
 };
 
@@ -205,7 +205,7 @@ void amx_fresh_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
   if (n == 0) return;
   // 32-bit words per head, both padded to whole blocks of 32 keys (pass 1 reads K 32 keys at a time)
   const int64_t kper = (n + 31) / 32 * 32 * D / 2, vper = kper;
-  std::vector<uint32_t> kp(KVH * kper), vpk(KVH * vper);
+  amx::tile_vector<uint32_t> kp(KVH * kper), vpk(KVH * vper);
   const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   const auto* kd = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   const auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());

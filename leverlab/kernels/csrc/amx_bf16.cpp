@@ -138,7 +138,7 @@ void gemm(const uint16_t* w, int64_t N, int64_t K, const uint32_t* xb, int64_t M
       store_block<Mb>(c, M, bias, n, kBlock, y, N);
     }
     if (n < n1) {  // the matrix's last rows, fewer than a block: copied out, zero-padded, so no tile reads past W
-      std::vector<uint16_t> pad(static_cast<size_t>(kBlock * K), 0);
+      amx::tile_vector<uint16_t> pad(static_cast<size_t>(kBlock * K), 0);
       std::memcpy(pad.data(), w + n * K, static_cast<size_t>((n1 - n) * K * 2));
       block_sums<Mb>(pad.data(), K, xb, c);
       store_block<Mb>(c, M, bias, n, n1 - n, y, N);
@@ -182,7 +182,7 @@ torch::Tensor amx_bf16_linear(const torch::Tensor& x, const torch::Tensor& w,
   const float* bp = bias_f32(bias, b32);
   TORCH_CHECK(!bp || b32.numel() == N, "amx_bf16_linear: bias has ", b32.numel(), " elements, not ", N);
   const int64_t Mb = M <= 16 ? 1 : 2;
-  std::vector<uint32_t> xb(static_cast<size_t>(K / kDepth * Mb * 256));
+  amx::tile_vector<uint32_t> xb(static_cast<size_t>(K / kDepth * Mb * 256));
   pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), M, K, Mb, xb.data());
   auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   auto yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
