@@ -13,6 +13,11 @@
 //   2. per row, over its own visible keys (causal): max, p = exp(scale S - max), sum in float32; p rounded to bf16
 //      into P [32][Lk], zeros past the diagonal.
 //   3. O = P V, per 32 columns of D four C tiles over Lk / 32 steps; out = O / sum, rounded to bf16 once.
+// Each thread runs its items three at a time (run_items): pass 2 of one between the tile steps of the next one's
+// pass 1 and the previous one's pass 3, and one KV head's items after another (start_item). The 0.6B shape's heads
+// at 1,024 tokens, one thread of that Xeon (scripts/bench_prefill_attention.py): 8.1 ms a layer with the passes in
+// turn, items head after head and the tile operands misaligned; 5.8 ms with the three changes. (Vector work spread
+// more thinly still, a few vectors after each product, gained nothing more.)
 // K and V are packed once per KV head into the tiles' VNNI order and serve its G query heads:
 //   K: [n16][D/32][16 r][16 j] pairs, pair (r, j) = K[16 kb + j][32 dc + 2r .. + 1] (a 16 x 16 transpose of
 //      32-bit words of K's rows), so that C[m][j] = sum_d Q[m][d] K[j][d];
@@ -77,9 +82,11 @@ void pack_v(const uint16_t* v, int64_t rs, int64_t n, int64_t D, uint32_t* out) 
 
 // c [32][ldc] float32 (its first 32 columns) = sum over `steps` of two A tiles (rows 0-15 and 16-31 of a, ld
 // elements between rows, a_step elements between steps) times two B tiles (b0 and b1, b_step words between steps):
-// the 2 x 2 blocking both passes run (two A and two B tiles against four C tiles: all eight tiles).
+// the 2 x 2 blocking both passes run (two A and two B tiles against four C tiles: all eight tiles). between() runs
+// after each step's products are issued: vector work of another item, which the core then runs while the tiles work.
+template <typename Between>
 inline void product_2x2(const uint16_t* a, int64_t ld, int64_t a_step, const uint32_t* b0, const uint32_t* b1,
-                        int64_t b_step, int64_t steps, float* c, int64_t ldc) {
+                        int64_t b_step, int64_t steps, float* c, int64_t ldc, Between&& between) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -93,6 +100,7 @@ inline void product_2x2(const uint16_t* a, int64_t ld, int64_t a_step, const uin
     _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
+    between();
   }
   _tile_stored(0, c, ldc * 4);
   _tile_stored(1, c + 16, ldc * 4);
@@ -100,75 +108,160 @@ inline void product_2x2(const uint16_t* a, int64_t ld, int64_t a_step, const uin
   _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
 }
 
-struct Scratch {
+// e^x for x <= 0 as exp16_nonpositive computes it (the same polynomial), with n = round(t) by adding and subtracting
+// 1.5 * 2^23 instead of VRNDSCALEPS (two uops on port 0 of a Sapphire Rapids core, where the softmax is bound),
+// and t = x log2(e) folded into the caller's scaling (tl = scores * scale * log2(e) - max * scale * log2(e)).
+inline __m512 exp2_nonpositive(__m512 tl) {
+  const __m512 t = _mm512_max_ps(tl, _mm512_set1_ps(-150.f));
+  const __m512 magic = _mm512_set1_ps(12582912.f);  // 1.5 * 2^23: t + magic holds round(t) in its low bits
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(t, magic), magic);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One work item: query head hq's positions [p0, p0 + 32) against keys [0, min(n, p0 + 32)), with its scratch.
+struct Item {
   amx::tile_vector<uint16_t> q;  // [kQ][D] the block's query rows, zero past n
-  amx::tile_vector<float> s;     // [kQ][Lk] scores
-  amx::tile_vector<uint16_t> p;  // [kQ][Lk] probabilities (unnormalized), bf16
+  amx::tile_vector<float> s;     // [kQ][ss] scores
+  amx::tile_vector<uint16_t> p;  // [kQ][ps] probabilities (unnormalized), bf16
   amx::tile_vector<float> o;     // [kQ][D]
   float inv[kQ];
+  const uint32_t *kp, *vp;  // the KV head's packed K and V
+  uint16_t* out;            // row p0's output (ors elements between rows)
+  int64_t p0 = 0, rows = 0, lk = 0, ss = 0, ps = 0;
 };
 
-// One work item: query head hq's positions [p0, p0 + 32) against keys [0, min(n, p0 + 32)).
-void item(const uint16_t* q, int64_t qrs, const uint32_t* kp, const uint32_t* vp, uint16_t* out, int64_t ors,
-          int64_t n, int64_t D, float scale, int64_t p0, Scratch& sc) {
-  const int64_t rows = std::min(kQ, n - p0);
-  const int64_t lk = (std::min(n, p0 + kQ) + kK - 1) / kK * kK;  // visible keys, rounded up to 32
+// Where the work items' arguments are: the whole call's tensors and sizes.
+struct Args {
+  const uint16_t* q;  // [n, H, D]
+  int64_t qrs;
+  const uint32_t *kp, *vp;  // per KV head kper words each
+  int64_t kper;
+  uint16_t* out;
+  int64_t ors, n, H, G, D, blocks;
+  float scale;
+};
+
+// Sets `it` up for item w: KV head h's blocks longest first, each block's G query heads in turn (so that one KV
+// head's packed K and V, ~0.5 MB at 1,024 keys, stay in L2 over its items: taken head after head across the
+// blocks, every item had read another head's from L3).
+void start_item(const Args& a, int64_t w, Item& it) {
+  const int64_t per_head = a.G * a.blocks, h = w / per_head, blk = a.blocks - 1 - (w % per_head) / a.G;
+  const int64_t hq = h * a.G + w % a.G, D = a.D;
+  it.p0 = blk * kQ;
+  it.rows = std::min(kQ, a.n - it.p0);
+  it.lk = (std::min(a.n, it.p0 + kQ) + kK - 1) / kK * kK;  // visible keys, rounded up to 32
   // Row strides of S and P one cache line past lk: at a multiple of 4 KB the 16 rows a tile stores or loads fall
   // in one L1 set.
-  const int64_t ss = lk + 16, ps = lk + 32;
-  const int64_t dcs = D / 32, dts = D / 16;
-  sc.q.assign(kQ * D, 0);
-  for (int64_t i = 0; i < rows; ++i) std::memcpy(sc.q.data() + i * D, q + (p0 + i) * qrs, D * 2);
-  sc.s.resize(kQ * ss);
-  sc.p.resize(kQ * ps);
-  sc.o.resize(kQ * D);
-  // 1. scores: rows of Q (D / 32 tiles of 32 d each) against K's tiles of the block's two groups of 16 keys
-  for (int64_t kb = 0; kb < lk / kK; ++kb)
-    product_2x2(sc.q.data(), D, 32, kp + 2 * kb * dcs * 256, kp + (2 * kb + 1) * dcs * 256, 256, dcs,
-                sc.s.data() + kb * kK, ss);
-  // 2. softmax per row over keys [0, p0 + i]
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t i = 0; i < kQ; ++i) {
-    uint16_t* pr = sc.p.data() + i * ps;
-    if (i >= rows) {
-      std::memset(pr, 0, lk * 2);
-      sc.inv[i] = 0.f;
-      continue;
-    }
-    const float* sr = sc.s.data() + i * ss;
-    const int64_t vis = p0 + i + 1;
-    __m512 vmax = _mm512_set1_ps(-INFINITY);
-    int64_t j = 0;
-    for (; j + 16 <= vis; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sr + j));
-    const __mmask16 tail = static_cast<__mmask16>((1u << (vis - j)) - 1);
-    if (j < vis) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, sr + j));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax) * scale);
-    __m512 vsum = _mm512_setzero_ps();
-    for (j = 0; j + 16 <= vis; j += 16) {
-      const __m512 e = exp16_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vscale, m));
-      vsum = _mm512_add_ps(vsum, e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
-    }
-    if (j < vis) {
-      const __m512 e = _mm512_maskz_mov_ps(tail, exp16_nonpositive(_mm512_fmsub_ps(
-                                                     _mm512_maskz_loadu_ps(tail, sr + j), vscale, m)));
-      vsum = _mm512_add_ps(vsum, e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
-      j += 16;
-    }
-    for (; j < lk; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), _mm256_setzero_si256());
-    sc.inv[i] = 1.f / _mm512_reduce_add_ps(vsum);
+  it.ss = it.lk + 16;
+  it.ps = it.lk + 32;
+  it.kp = a.kp + h * a.kper;
+  it.vp = a.vp + h * a.kper;
+  it.out = a.out + it.p0 * a.ors + hq * D;
+  it.q.assign(kQ * D, 0);
+  for (int64_t i = 0; i < it.rows; ++i) std::memcpy(it.q.data() + i * D, a.q + (it.p0 + i) * a.qrs + hq * D, D * 2);
+  it.s.resize(kQ * it.ss);
+  it.p.resize(kQ * it.ps);
+  it.o.resize(kQ * D);
+}
+
+// 1. scores: rows of Q (D / 32 tiles of 32 d each) against K's tiles of each block's two groups of 16 keys
+template <typename Between>
+void scores(Item& it, int64_t D, Between&& between) {
+  const int64_t dcs = D / 32;
+  for (int64_t kb = 0; kb < it.lk / kK; ++kb)
+    product_2x2(it.q.data(), D, 32, it.kp + 2 * kb * dcs * 256, it.kp + (2 * kb + 1) * dcs * 256, 256, dcs,
+                it.s.data() + kb * kK, it.ss, between);
+}
+
+// 2. row i's softmax over keys [0, p0 + i]: p = exp(scale (s - max)) rounded to bf16 into P, zeros past the
+// diagonal up to lk; 1 / sum (of the unrounded p) into inv[i].
+void softmax_row(Item& it, int64_t i, float scale) {
+  uint16_t* pr = it.p.data() + i * it.ps;
+  if (i >= it.rows) {
+    std::memset(pr, 0, it.lk * 2);
+    it.inv[i] = 0.f;
+    return;
   }
-  // 3. O = P V, 32 columns of D at a time: rows of P (32 keys a tile) against V's tiles of those columns
+  const float* sr = it.s.data() + i * it.ss;
+  const int64_t vis = it.p0 + i + 1;
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 16 <= vis; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sr + j));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (vis - j)) - 1);
+  if (j < vis) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, sr + j));
+  const float sl = scale * 1.44269504088896341f;  // scale log2(e)
+  const __m512 vsl = _mm512_set1_ps(sl), m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax) * sl);
+  __m512 vsum = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= vis; j += 16) {
+    const __m512 e = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vsl, m));
+    vsum = _mm512_add_ps(vsum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  if (j < vis) {
+    const __m512 e =
+        _mm512_maskz_mov_ps(tail, exp2_nonpositive(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(tail, sr + j), vsl, m)));
+    vsum = _mm512_add_ps(vsum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
+    j += 16;
+  }
+  for (; j < it.lk; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), _mm256_setzero_si256());
+  it.inv[i] = 1.f / _mm512_reduce_add_ps(vsum);
+}
+
+// 3. O = P V, 32 columns of D at a time: rows of P (32 keys a tile) against V's tiles of those columns
+template <typename Between>
+void values(Item& it, int64_t D, Between&& between) {
+  const int64_t dts = D / 16;
   for (int64_t dt = 0; dt < dts; dt += 2)
-    product_2x2(sc.p.data(), ps, kK, vp + dt * 256, vp + (dt + 1) * 256, dts * 256, lk / kK, sc.o.data() + 16 * dt,
-                D);
-  for (int64_t i = 0; i < rows; ++i) {
-    const __m512 inv = _mm512_set1_ps(sc.inv[i]);
-    uint16_t* dst = out + (p0 + i) * ors;
+    product_2x2(it.p.data(), it.ps, kK, it.vp + dt * 256, it.vp + (dt + 1) * 256, dts * 256, it.lk / kK,
+                it.o.data() + 16 * dt, D, between);
+}
+
+// out = O / sum, rounded to bf16 once
+void finish(const Item& it, int64_t D, int64_t ors) {
+  for (int64_t i = 0; i < it.rows; ++i) {
+    const __m512 inv = _mm512_set1_ps(it.inv[i]);
+    uint16_t* dst = it.out + i * ors;
     for (int64_t d = 0; d < D; d += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(sc.o.data() + i * D + d), inv)));
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(it.o.data() + i * D + d), inv)));
+  }
+}
+
+// Items ws (start_item's numbering) on this thread, three at a time in a pipeline: while the tiles run item w's scores and item
+// w - 2's values, the vector ports run item w - 1's softmax, a few rows after each tile step (the rows spread
+// evenly over the steps). Run one after the other, the three passes had kept the tiles idle through the softmax
+// and the vector ports through the products.
+void run_items(const Args& a, const std::vector<int64_t>& ws) {
+  Item items[3];
+  const int64_t D = a.D, count = static_cast<int64_t>(ws.size());
+  for (int64_t i = 0; i < count + 2; ++i) {
+    Item* cur = i < count ? &items[i % 3] : nullptr;
+    Item* mid = i >= 1 && i - 1 < count ? &items[(i - 1) % 3] : nullptr;
+    Item* old = i >= 2 ? &items[(i - 2) % 3] : nullptr;
+    if (cur) start_item(a, ws[i], *cur);
+    // the tile steps of this round, over which mid's kQ softmax rows are spread
+    const int64_t steps = (cur ? cur->lk / kK * (D / 32) : 0) + (old ? D / 32 * (old->lk / kK) : 0);
+    int64_t step = 0, row = 0;
+    auto between = [&] {
+      ++step;
+      if (mid)
+        while (row < kQ && row * steps < step * kQ) softmax_row(*mid, row++, a.scale);
+    };
+    if (cur) scores(*cur, D, between);
+    if (old) {
+      values(*old, D, between);
+      finish(*old, D, a.ors);
+    }
+    if (mid)
+      while (row < kQ) softmax_row(*mid, row++, a.scale);
   }
 }
 
@@ -217,15 +310,19 @@ void amx_fresh_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
     }
   });
   const int64_t blocks = (n + kQ - 1) / kQ;
-  const float sc = static_cast<float>(scale);
-  // Items longest first (the last block of a head sees every key), so that threads end together.
-  at::parallel_for(0, H * blocks, 1, [&](int64_t b, int64_t e) {
+  const Args args{qd, q.stride(0), kp.data(), vpk.data(), kper, od, out.stride(0), n, H, G, D, blocks,
+                  static_cast<float>(scale)};
+  // Thread t of nt takes every nt-th block of each KV head (its G items): each thread's items stay on one head at a
+  // time, and the threads end together for any number of heads.
+  const int64_t total = H * blocks, nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
     _tile_loadconfig(&amx::kConfig);
-    Scratch scratch;
-    for (int64_t w = b; w < e; ++w) {
-      const int64_t hq = w % H, blk = blocks - 1 - w / H, h = hq / G;
-      item(qd + hq * D, q.stride(0), kp.data() + h * kper, vpk.data() + h * vper, od + hq * D, out.stride(0), n,
-           D, sc, blk * kQ, scratch);
+    std::vector<int64_t> mine;
+    for (int64_t t = t0; t < t1; ++t) {
+      mine.clear();
+      for (int64_t w = 0; w < total; ++w)
+        if ((w / G) % nt == t) mine.push_back(w);
+      run_items(args, mine);
     }
     _tile_release();
   });
