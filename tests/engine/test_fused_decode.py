@@ -214,6 +214,10 @@ def test_fused_forward_takes_fbgemm_past_the_streaming_rows(checkpoint_factory, 
     assert dec is not None and dec.max_tokens is None
     expected, got = both_paths(model, torch.bfloat16, [3, 1, 5])  # 9 rows: every layer past its 2
     assert torch.equal(got, expected)
+    # 70 rows: three blocks of 32 activation rows, so the AMX GEMMs hand each block's epilogue to the next one
+    # (amx_int8.cpp Pipeline) and the grouped gate_up alternates its two group outputs
+    expected, got = both_paths(model, torch.bfloat16, [33, 2, 35])
+    assert torch.equal(got, expected)
     expected, got = both_paths(model, torch.bfloat16, [1, 1])  # at its 2 rows, the streaming kernels as before
     torch.testing.assert_close(got, expected, atol=3e-2 * expected.abs().max().item(), rtol=0)
 

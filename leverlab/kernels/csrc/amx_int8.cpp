@@ -219,8 +219,9 @@ void quantize_all(const T* x, int64_t M, int64_t K, int64_t Kp, amx::tile_vector
 // block's epilogue (its sums stored, transposed, scaled, rounded and written: ~800 instructions) run after its tile
 // products had kept the tiles idle for as long as it took. A stand-alone loop of these kernels (the 0.6B shape's qkv
 // at 1,024 rows, one thread of that Xeon): 1,770 G multiply-adds a second with no epilogue, 845 with it run after
-// each block, 1,080 with it deferred into the next block's steps, 1,060 with its stores made whole 64-byte lines.
-// After the last block, flush() runs what is left.
+// each block, 1,080 with it deferred into the next block's steps, 1,060 run after each block but with its stores
+// made whole 64-byte lines; this kernel, both together and its quantization included, 1,030-1,080 over the 0.6B
+// shape's four GEMMs (scripts/profile_prefill.py --gemms). After the last block, flush() runs what is left.
 template <typename T>
 class Pipeline {
  public:
