@@ -235,10 +235,10 @@ void finish(const Item& it, int64_t D, int64_t ors) {
   }
 }
 
-// Items ws (start_item's numbering) on this thread, three at a time in a pipeline: while the tiles run item w's scores and item
-// w - 2's values, the vector ports run item w - 1's softmax, a few rows after each tile step (the rows spread
-// evenly over the steps). Run one after the other, the three passes had kept the tiles idle through the softmax
-// and the vector ports through the products.
+// Items ws (start_item's numbering) on this thread, three at a time in a pipeline: while the tiles run item i's
+// scores and item i - 2's values, the vector ports run item i - 1's softmax, a few rows after each tile step (the
+// rows spread evenly over the steps). Run one after the other, the three passes had kept the tiles idle through the
+// softmax and the vector ports through the products.
 void run_items(const Args& a, const std::vector<int64_t>& ws) {
   Item items[3];
   const int64_t D = a.D, count = static_cast<int64_t>(ws.size());
