@@ -108,23 +108,6 @@ inline void product_2x2(const uint16_t* a, int64_t ld, int64_t a_step, const uin
   _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
 }
 
-// e^x for x <= 0 as exp16_nonpositive computes it (the same polynomial), with n = round(t) by adding and subtracting
-// 1.5 * 2^23 instead of VRNDSCALEPS (two uops on port 0 of a Sapphire Rapids core, where the softmax is bound),
-// and t = x log2(e) folded into the caller's scaling (tl = scores * scale * log2(e) - max * scale * log2(e)).
-inline __m512 exp2_nonpositive(__m512 tl) {
-  const __m512 t = _mm512_max_ps(tl, _mm512_set1_ps(-150.f));
-  const __m512 magic = _mm512_set1_ps(12582912.f);  // 1.5 * 2^23: t + magic holds round(t) in its low bits
-  const __m512 n = _mm512_sub_ps(_mm512_add_ps(t, magic), magic);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.3333558e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // One work item: query head hq's positions [p0, p0 + 32) against keys [0, min(n, p0 + 32)), with its scratch.
 struct Item {
   amx::tile_vector<uint16_t> q;  // [kQ][D] the block's query rows, zero past n

@@ -18,7 +18,7 @@ namespace amx {
 // Storage for what tiles load or store: 64-byte aligned, so that each of a tile's 16 rows of 64 bytes is one cache
 // line. glibc's malloc aligns to 16, and a row that straddles two lines loads at a third of the rate: four tile
 // loads from L1 took 62 ns misaligned and 10 ns aligned (a 1,024-row int8 GEMM at K 1,024 ran ~600 against ~1,750
-// G multiply-adds a second, one thread of that Xeon, a stand-alone loop of this file's kernels).
+// G multiply-adds a second, one thread of that Xeon, a stand-alone loop of amx_int8.cpp's tile steps).
 template <typename T>
 struct Aligned64 {
   using value_type = T;

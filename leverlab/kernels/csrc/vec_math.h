@@ -81,16 +81,18 @@ inline __m256 silu8(__m256 x) {
 #endif
 
 #if defined(__AVX512F__)
-// exp8_nonpositive and silu8's work in sixteen lanes: the SiLU of a prefill's [T, I] activations ran scalar on
-// AVX-512 CPUs, ~1 ns an element, 14% of a 512-token prefill of the bundled model on one thread.
-inline __m512 exp16_nonpositive(__m512 x) {
-  // In base 2: e^x = 2^t, t = x log2(e) = n + f with n = round(t), |f| <= 1/2; 2^f by a degree-5 polynomial
-  // (relative error ~2e-6: every caller rounds the result, or what it scales, to bf16) and 2^n by scalef, in
-  // place of exp8's exponent-bits arithmetic (t is clamped at -150, where 2^t is zero in float32). Nine vector ops
-  // for sixteen values where that form took fifteen: the softmax of a prefill's attention and the SiLU of its
-  // activations are mostly this.
-  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-150.f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+// 2^t for t <= 0: the work of exp16_nonpositive below (e^x = 2^t, t = x log2(e)), also for callers that fold log2(e)
+// into a scaling of their own (the prefill attention's softmax). t = n + f with n = round(t), |f| <= 1/2; 2^f by a
+// degree-5 polynomial (relative error ~2e-6: every caller rounds the result, or what it scales, to bf16) and 2^n by
+// scalef, in place of exp8's exponent-bits arithmetic (t is clamped at -150, where 2^t is zero in float32). round(t)
+// by adding and subtracting 1.5 * 2^23 (to nearest even, as VRNDSCALEPS rounds, for any |t| <= 2^22: the same n):
+// two uops on either vector port, where VRNDSCALEPS takes two on port 0 alone of a Sapphire Rapids core. Ten vector
+// ops for sixteen values where exp8's form took fifteen: the softmax of a prefill's attention and the SiLU of its
+// activations are mostly this.
+inline __m512 exp2_nonpositive(__m512 t_in) {
+  const __m512 t = _mm512_max_ps(t_in, _mm512_set1_ps(-150.f));
+  const __m512 magic = _mm512_set1_ps(12582912.f);  // 1.5 * 2^23: t + magic holds round(t) in its low bits
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(t, magic), magic);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(1.3333558e-3f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
@@ -99,6 +101,12 @@ inline __m512 exp16_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+// exp8_nonpositive and silu8's work in sixteen lanes: the SiLU of a prefill's [T, I] activations ran scalar on
+// AVX-512 CPUs, ~1 ns an element, 14% of a 512-token prefill of the bundled model on one thread.
+inline __m512 exp16_nonpositive(__m512 x) {
+  return exp2_nonpositive(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)));
 }
 
 // x sigmoid(x) = x / (1 + e^-x), from e = e^-|x| (never overflows): x / (1 + e) for x >= 0, x e / (1 + e) below.
