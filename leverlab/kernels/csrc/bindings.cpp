@@ -112,11 +112,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("kind"), pybind11::arg("family") = "all",
         "how the streaming kernels of one family ('bf16', 'int8', 'int4', 'int6'; 'all': every one) prefetch their weights: "
         "'off', 'nta' (non-temporal, 1 KB ahead) or 't0' (into every cache level, 4 KB ahead); csrc/stream_hint.h");
-  m.def("set_block_l2_ahead", [](int64_t bytes) {
-          TORCH_CHECK(bytes >= 0 && bytes % 64 == 0, "set_block_l2_ahead: bytes, a multiple of 64");
-          block_l2_ahead() = bytes;
-        },
-        pybind11::arg("bytes"), "how far ahead the int4/int6 panels prefetch into L2 in the 'l2' kind (stream_hint.h)");
   m.def("stream_prefetch",
         [](const std::string& family) {
           const int f = stream_family(family);

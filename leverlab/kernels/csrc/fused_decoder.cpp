@@ -428,7 +428,8 @@ class MoeExperts {
   // Per expert 6 tensors, (weight, scale, bias) of gate_up then down; kinds holds 2 per expert.
   MoeExperts(std::vector<std::vector<c10::optional<at::Tensor>>> experts, std::vector<int64_t> kinds) {
     TORCH_CHECK(kinds.size() == 2 * experts.size(), "MoeExperts: two kinds per expert");
-    for (size_t e = 0; e < experts.size(); ++e) experts_.push_back(mlp_lins(experts[e], kinds[2 * e], kinds[2 * e + 1]));
+    for (size_t e = 0; e < experts.size(); ++e)
+      experts_.push_back(mlp_lins(experts[e], kinds[2 * e], kinds[2 * e + 1]));
   }
 
   // The router (Router in models/moe.py): its [E, H] weight in the model dtype, top k, renormalize (norm_topk_prob),
@@ -444,7 +445,8 @@ class MoeExperts {
 
   // Qwen2-MoE's shared expert: 6 tensors and 2 kinds as an expert's, and its gate's [1, H] weight (a plain linear).
   void set_shared(std::vector<c10::optional<at::Tensor>> tensors, std::vector<int64_t> kinds, at::Tensor gate) {
-    TORCH_CHECK(kinds.size() == 2 && gate.dim() == 2 && gate.size(0) == 1, "MoeExperts.set_shared: 2 kinds, gate [1, H]");
+    TORCH_CHECK(kinds.size() == 2 && gate.dim() == 2 && gate.size(0) == 1,
+                "MoeExperts.set_shared: 2 kinds, gate [1, H]");
     shared_ = mlp_lins(tensors, kinds[0], kinds[1]);
     shared_gate_ = gate;
   }
@@ -916,10 +918,11 @@ class FusedDecoder {
       act = at::empty({T_, I}, x.options());
       T* a = act.data_ptr<T>();
       const AmxEpilogue<T> silu_out = [&](int64_t g, int64_t m0, int64_t rows, const T* out, int64_t ld) {
-        for (int64_t r = 0; r < rows; ++r) silu_mul_span<T>(out + r * ld, out + r * ld + 32, a + (m0 + r) * I + 32 * g, 32);
+        for (int64_t r = 0; r < rows; ++r)
+          silu_mul_span<T>(out + r * ld, out + r * ld + 32, a + (m0 + r) * I + 32 * g, 32);
       };
-      amx_int8_grouped<T>(hm.data_ptr<T>(), T_, H, l.gate_up.amx_w, l.gate_up.amx_scale, grouped_blocks(I / 32, 2, 32, I),
-                          2, silu_out);
+      amx_int8_grouped<T>(hm.data_ptr<T>(), T_, H, l.gate_up.amx_w, l.gate_up.amx_scale,
+                          grouped_blocks(I / 32, 2, 32, I), 2, silu_out);
       clock.lap(kGateUp);
     } else {
       at::Tensor gu = apply(l.gate_up, hm);  // [T, 2 I]

@@ -76,12 +76,6 @@ inline void prefetch_stream(const void* here) {
 // Every 64-byte line of [here, here + bytes) prefetched in the kind measured for Family, the kind read once: for a
 // kernel that requests a block of its stream at a time (an int4/int6 panel's group) rather than line by line.
 // NtaAhead: the non-temporal kind's distance, the caller's own where it measured one.
-// The distance of prefetch_lines' L2 kind in bytes (set_block_l2_ahead: A/B runs in one process).
-inline int64_t& block_l2_ahead() {
-  static int64_t ahead = kL2Ahead;
-  return ahead;
-}
-
 template <int Family, int64_t NtaAhead = kNonTemporalAhead>
 inline void prefetch_lines(const void* here, int64_t bytes) {
   const char* c = static_cast<const char*>(here);
@@ -91,5 +85,5 @@ inline void prefetch_lines(const void* here, int64_t bytes) {
   else if (mode == kPrefetchAhead)
     for (int64_t i = 0; i < bytes; i += 64) prefetch_as<kPrefetchAhead>(c + i);
   else if (mode == kPrefetchL2)
-    for (int64_t i = 0, a = block_l2_ahead(); i < bytes; i += 64) __builtin_prefetch(c + i + a, 0, 2);
+    for (int64_t i = 0; i < bytes; i += 64) prefetch_as<kPrefetchL2>(c + i);
 }
