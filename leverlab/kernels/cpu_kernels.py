@@ -128,6 +128,7 @@ def _configure(module):
         import torch
 
         torch.library.register_fake("leverlab_cpu::linear_bf16")(_linear_shape)
+        torch.library.register_fake("leverlab_cpu::linear_bf16_tiles")(_tiles_shape)
     return module
 
 
@@ -154,6 +155,10 @@ def kernels():
 
 def _linear_shape(x, weight, bias):  # what a compiled graph needs to know of leverlab_cpu::linear_bf16
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _tiles_shape(x, tiles, n, bias):  # the same for leverlab_cpu::linear_bf16_tiles (amx_bf16_tiles.cpp)
+    return x.new_empty(*x.shape[:-1], n)
 
 
 if __name__ == "__main__":  # python -m leverlab.kernels.cpu_kernels: build now (scripts/venv.sh runs it)

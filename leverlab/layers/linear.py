@@ -25,11 +25,17 @@ class UnquantizedMethod(QuantMethod):
         pass
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if layer.kernel_state.tiles:  # the weight in AMX tile order (bf16_linear.to_tiles)
+            if x.dtype == torch.bfloat16 and not x.requires_grad:
+                return bf16_linear.tiled_linear(x, layer.weight, layer.bias)
+            return F.linear(x, self.dequantize(layer).to(x.dtype), layer.bias)
         if bf16_linear.wanted(x, layer.weight):
             return bf16_linear.linear(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        if layer.kernel_state.tiles:
+            return bf16_linear.untile(layer.weight).float()
         return layer.weight.float()
 
 

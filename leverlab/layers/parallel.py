@@ -21,12 +21,12 @@ A slice that does not fall on a packing or group boundary is refused with the nu
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from leverlab.distributed import comm
 from leverlab.distributed.parallel_state import TPState, current, kv_heads_split, split
 from leverlab.errors import UnsupportedLever
+from leverlab.layers import bf16_linear
 from leverlab.layers.linear import Linear, packed
 from leverlab.quant.base import DEFAULT_LAYOUTS
 
@@ -158,9 +158,10 @@ class VocabParallelEmbedding(nn.Embedding):
         self.weight.data.copy_(tensor)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # The table may be a tied output head's, held in AMX tile order (layers/bf16_linear.py): the lookup reads it
         if self.tp.size == 1:
-            return super().forward(ids)
+            return bf16_linear.embedding(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_embeddings)
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        rows = bf16_linear.embedding(local.masked_fill(outside, 0), self.weight)
         return comm.all_reduce(rows.masked_fill(outside[:, None], 0), self.tp)  # exactly one rank adds each row

@@ -39,10 +39,10 @@ MAX_SPAN = KERNEL_MAX_SPAN
 
 def _linear(layer) -> tuple[int, list]:
     """(kind, [weight, scale, bias]) for the C++ side (QuantMethod.fused_weights): 0 float, 1 int8 weight-only,
-    2 int4, 3 int8 with bf16/fp16 activations quantized per 32-block."""
+    2 int4, 3 int8 with bf16/fp16 activations quantized per 32-block, 5 bf16 in AMX tile order (bf16_linear.to_tiles)."""
     method = layer.quant_method
     if method is None:
-        return 0, [layer.weight, None, layer.bias]
+        return (5 if layer.kernel_state.tiles else 0), [layer.weight, None, layer.bias]
     weights = method.fused_weights(layer)
     if weights is None:
         raise _NotFused(f"quantization method {method.name!r} has no fused kernel for this layer")
@@ -182,7 +182,7 @@ def _set_head(dec, model: CausalLM, dtype: torch.dtype) -> int:
     if head.quant_method is None:
         if head.weight.dtype != dtype:
             return 0
-        dec.set_head(0, head.weight.data, None)
+        dec.set_head(5 if head.kernel_state.tiles else 0, head.weight.data, None)
         return 1 << 30  # any number: linear_bf16 is compute_logits' own op, whatever the rows
     weights = head.quant_method.fused_weights(head)
     if weights is None:

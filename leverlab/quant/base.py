@@ -65,6 +65,7 @@ class KernelState:
     row_times: dict[int, tuple[float, float]] | None = None  # rows -> (streaming, GEMM) seconds, where timed
     perm: torch.Tensor | None = None  # GPTQ act-order: the input permutation that makes groups contiguous
     dense: torch.Tensor | None = None  # int6 without our kernels: the weight dequantized, in the model dtype
+    tiles: bool = False  # an unquantized bf16 layer whose `weight` is held in AMX tile order (layers/bf16_linear.py)
 
 
 class QuantMethod:

@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from leverlab import env
 from leverlab.config import default_model_path
@@ -34,6 +33,7 @@ from leverlab.core.block_manager import BlockManager
 from leverlab.core.sequence import Sequence
 from leverlab.errors import UnsupportedLever
 from leverlab.kernels import cpu_kernels
+from leverlab.layers import bf16_linear
 from leverlab.layers.attention import AttentionMetadata, forward_context
 from leverlab.layers.linear import Linear
 from leverlab.models.config import ModelConfig
@@ -137,7 +137,8 @@ class EagleProposer:
                     # The target's head stays as it is for the target; drafts read an int8 copy (V x H bytes
                     # more memory: 8 MB on the bundled model, 156 MB on a Qwen3-0.6B). A quantized target head
                     # (int8/int4 targets) is used as it is.
-                    drafting = _linear_over(drafting.weight.detach().clone())
+                    drafting = _linear_over(drafting.method.dequantize(drafting).to(drafting.weight.dtype)
+                                            if drafting.kernel_state.tiles else drafting.weight.detach().clone())
                 drafting.use(int8)
                 int8.create_weights(drafting)
                 layers.append(drafting)
@@ -285,7 +286,7 @@ class EagleProposer:
         return hidden, logits, logits.argmax(dim=-1).tolist()
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self._embedding_table())
+        return bf16_linear.embedding(ids, self._embedding_table())  # the target's may be its head's tiles
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, H] (normed) -> float32 logits [B, V] over the TARGET's vocabulary."""

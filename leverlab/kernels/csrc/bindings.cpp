@@ -32,6 +32,9 @@ bool amx_attention_takes(int64_t D);
 void amx_fresh_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor out, double scale);
 bool set_amx_bf16(bool on);
 torch::Tensor amx_bf16_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+bool amx_bf16_tiles_available();
+torch::Tensor amx_bf16_pack(const torch::Tensor& w);
+torch::Tensor tile_rows(const torch::Tensor& tiles, const torch::Tensor& ids);
 at::Tensor bitmask_argmax(const at::Tensor& logits, const at::Tensor& rows, const at::Tensor& bitmask);
 at::Tensor apply_bitmask_(at::Tensor logits, const at::Tensor& rows, const at::Tensor& bitmask);
 
@@ -97,6 +100,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "switch the AMX bf16 path on or off (A/B runs in one process); returns whether it is on");
   m.def("amx_bf16_linear", &amx_bf16_linear, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"),
         "y = x W^T (+ b) in bfloat16 on AMX tiles for 1..32 rows, W [N, K] as stored, K a multiple of 32");
+  m.def("amx_bf16_tiles_available", &amx_bf16_tiles_available,
+        "whether bf16 layers can be held in tile order (amx_bf16_pack, op leverlab_cpu::linear_bf16_tiles) here");
+  m.def("amx_bf16_pack", &amx_bf16_pack, pybind11::arg("w"),
+        "w [N, K] bf16, K a multiple of 32 -> its tiles [ceil(N/32), K/32, 1024] (amx_bf16_tiles.cpp's layout)");
+  m.def("tile_rows", &tile_rows, pybind11::arg("tiles"), pybind11::arg("ids"),
+        "rows ids [T] int64 of a weight in tile order -> [T, K] (a tied output head's embedding lookup)");
   m.def("quant_max_rows", &quant_max_rows, "the most activation rows the streaming int8/int4 kernels take");
   m.def("set_stream_prefetch",
         [](const std::string& kind, const std::string& family) {

@@ -78,7 +78,8 @@ class PhaseClock {
 // A linear layer as the fused path sees it (the kernels are in quant_linear.cpp). kind 0: float weight [N, K];
 // 1: int8 weight [N, K] with a float32 scale per output row, weight-only (3: the same with bf16/fp16 activations
 // quantized per 32-block for integer dot products); 2: int4 packed [N, K/2] with fp16 scales and zero points
-// (`scale`, [N, 2, K/g]); 4: int6 packed [N, 3K/4] with the same scales (an int4 model's output head).
+// (`scale`, [N, 2, K/g]); 4: int6 packed [N, 3K/4] with the same scales (an int4 model's output head); 5: bf16 in
+// AMX tile order, [N/32, K/32, 1024] (amx_bf16_tiles.cpp).
 // A quantized layer may also have fbgemm's int8 x int8 GEMM (quant/int8_gemm.py) for more rows than it streams
 // (`stream_rows`, measured at load: quant/autotune.py): `packed` is its prepacked weight, called through the
 // dispatcher as the module path calls it, so that batches past the streaming kernels' crossover stay on this path.
@@ -110,6 +111,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
                        const c10::optional<at::Tensor>& bias);
 at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale);
+torch::Tensor linear_bf16_tiles(const torch::Tensor& x, const torch::Tensor& tiles, int64_t n,
+                                const c10::optional<torch::Tensor>& bias);
+torch::Tensor tile_rows(const torch::Tensor& tiles, const torch::Tensor& ids);
 
 namespace {
 
@@ -148,6 +152,7 @@ at::Tensor apply(const Lin& l, const at::Tensor& x) {
   if ((!l.packed.isNone() || l.amx_w.defined()) && x.size(0) > l.stream_rows) return batched(l, x);
   c10::optional<at::Tensor> b = l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt;
   if (l.kind == 1 || l.kind == 3) return int8_linear(x, l.w, l.scale, b, l.kind == 3);
+  if (l.kind == 5) return linear_bf16_tiles(x, l.w, l.w.size(0) * 32, b);  // no padding: bf16_linear.tileable
   if (l.kind == 2 || l.kind == 4) {  // the group size: K / (number of groups)
     const int64_t group = x.size(1) / l.scale.size(2);
     return l.kind == 2 ? int4_linear(x, l.w, l.scale, group, b) : int6_linear(x, l.w, l.scale, group, b);
@@ -700,7 +705,7 @@ class FusedDecoder {
       const std::vector<int64_t>& seq_lens, const std::vector<int64_t>& qsl, const std::vector<int64_t>& rows) {
     TORCH_CHECK(head_.w.defined() && embed_norm_.defined(), "FusedDecoder.head_step: set_head, set_eagle_input");
     TORCH_CHECK(features.dim() == 2 && features.size(0) == static_cast<int64_t>(ids.size()) &&
-                    features.size(1) == embed_.size(1), "head_step: features [T, H]");
+                    features.size(1) == hidden_size(), "head_step: features [T, H]");
     at::Tensor h, y;  // the head's hidden states, and after its output norm
     PhaseClock clock = start_clock();
     AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, embed_.scalar_type(), "fused_head", [&] {
@@ -811,10 +816,10 @@ class FusedDecoder {
   std::pair<at::Tensor, at::Tensor> head_run(const at::Tensor& ids, const at::Tensor& f, const at::Tensor& positions,
                                              const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lens,
                                              const at::Tensor& qsl, PhaseClock& clock) {
-    const int64_t T_ = ids.size(0), H = embed_.size(1);
+    const int64_t T_ = ids.size(0), H = hidden_size();
     const float eps = static_cast<float>(eps_);
     check_positions(positions);
-    at::Tensor e = embed_.index_select(0, ids), ne = at::empty_like(e), nf = at::empty_like(f);
+    at::Tensor e = embed_rows(ids), ne = at::empty_like(e), nf = at::empty_like(f);
     rms_norm_rows<T>(e.data_ptr<T>(), embed_norm_.data_ptr<T>(), ne.data_ptr<T>(), T_, H, eps);
     rms_norm_rows<T>(f.data_ptr<T>(), feature_norm_.data_ptr<T>(), nf.data_ptr<T>(), T_, H, eps);
     at::Tensor x = norm_before_residual_ ? nf.clone() : f.clone();  // the residual stream
@@ -830,10 +835,10 @@ class FusedDecoder {
   std::vector<at::Tensor> run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slots,
                               const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& qsl,
                               PhaseClock& clock) {
-    const int64_t T_ = ids.size(0), H = embed_.size(1);
+    const int64_t T_ = ids.size(0), H = hidden_size();
     const float eps = static_cast<float>(eps_);
     check_positions(positions);
-    at::Tensor x = embed_.index_select(0, ids);  // [T, H] residual stream
+    at::Tensor x = embed_rows(ids);  // [T, H] residual stream
     at::Tensor h = at::empty_like(x);
     at::Tensor aux;  // the aux layers' outputs (the residual stream after each), side by side
     if (!aux_layers_.empty()) aux = at::empty({T_, static_cast<int64_t>(aux_layers_.size()) * H}, x.options());
@@ -961,6 +966,11 @@ class FusedDecoder {
     for (; i < n; ++i) xp[i] = xp[i] + yp[i];
   }
 
+  // The embedding table, [V, H]; or, tied to an output head held in AMX tile order, that head's [V/32, H/32, 1024].
+  int64_t hidden_size() const { return embed_.dim() == 3 ? embed_.size(1) * 32 : embed_.size(1); }
+  at::Tensor embed_rows(const at::Tensor& ids) const {
+    return embed_.dim() == 3 ? tile_rows(embed_, ids) : embed_.index_select(0, ids);
+  }
   at::Tensor embed_, final_norm_, cos_, sin_;
   at::Tensor embed_norm_, feature_norm_;  // EAGLE head mode (set_eagle_input)
   bool norm_before_residual_ = false;

@@ -1,0 +1,288 @@
+// y = x W^T (+ b) in bfloat16 on AMX tiles, with W held in tile order: the bf16 layers of a model on a CPU with
+// AMX-BF16, for every row count (decode steps, verification spans, prefill chunks).
+//
+// Why a layout of its own: a decode step streams every weight once, and how fast one core streams depends on the
+// order it asks for the lines. amx_bf16.cpp reads W in place, an A tile being 16 rows x 64 bytes at a stride of
+// K * 2 bytes: 32 row streams at once, which one core of a 2-vCPU Xeon (family 6 model 167, AMX) served at 14.5
+// GB/s, the rate of a plain sum, and no software prefetch made faster. Held so that each step of the loop reads 2 KB
+// contiguous, with the next 2 KB requested into L2 (PREFETCHT1) a step ahead, the same tile products read 17-18 GB/s
+// (a stand-alone loop over 28 matrices of the 0.6B shape's gate_up, huge pages; the sum with the same prefetch 19).
+// Two more things were needed to keep that rate with the outputs written (measured in the same loop):
+//  - W is the B operand (16 pairs of K x 16 output columns a tile) and x the A one, so C is y itself, [16 m][16 n],
+//    and a row of y is two C rows converted: no transposes (W as A, transposed out: 15.4 GB/s; as B: 15.8-16.0).
+//  - A decode batch's outputs are written with non-temporal stores. Ordinary stores of the 16 lines of y a block
+//    writes took the stream from 17 to 14 GB/s on their own: each missed L1, and while they waited for lines the
+//    loads and prefetches behind them did too. The next layer reads y (a few hundred KB a step) back from memory.
+// In the engine, the 0.6B shape with 16 bf16 sequences (a decode step, weights moved into tile order in place,
+// alternated with the in-place kernel in one process): 126-134 -> 117-122 ms a step. The sums are the same, in the
+// same order, as amx_bf16.cpp's: the outputs are bit for bit the same (tests/kernels/test_amx_bf16_tiles.py).
+//
+// Layout ("tiles"), for W [N, K] row-major, K a multiple of 32, N padded with zero rows to Np, a multiple of 32:
+// [Np/32 blocks][K/32 steps][2 halves][16 r][16 n][2], i.e. block b, step s holds two B tiles of 1 KB: half h's row r
+// holds, for each of its 16 output columns n (W's row 32 b + 16 h + n), the pair W[row][32 s + 2 r], [.. + 1].
+// As a tensor it is [Np/32, K/32, 1024] bf16, so that nothing takes it for a row-major [N, K] weight.
+//
+// Prefill-sized calls (more than 32 rows) run the same products as a GEMM: for each group of four weight blocks
+// (128 columns, their tiles staying in L2), every 32 rows of x against each block.
+#include <torch/extension.h>
+
+#include "amx_util.h"
+#include "kernel_util.h"
+#include "row_split.h"
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(LEVERLAB_AMX_TILE) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define LEVERLAB_AMX_BF16_TILES 1
+#endif
+
+bool amx_bf16_enabled();
+
+namespace {
+
+constexpr int64_t kBlock = 32;      // output columns (weight rows) per block: two B tiles
+constexpr int64_t kDepth = 32;      // bf16 elements of K per step
+constexpr int64_t kStepElems = 2 * 512;  // a block's two B tiles of one step
+constexpr int64_t kMaxDecodeRows = 32;   // up to here: one pass over the weights, streamed
+constexpr int64_t kGroupBlocks = 4;      // GEMM: weight blocks whose tiles stay in L2 while x passes over them
+constexpr int64_t kAhead = 1024;         // bytes past the step's start requested into L2 (1-3 KB measured alike)
+
+#ifdef LEVERLAB_AMX_BF16_TILES
+// Block b's tiles from w [N, K]: per step and half, a 16 x 16 transpose of 32-bit words (a word: one K pair).
+void pack_block(const uint16_t* w, int64_t N, int64_t K, int64_t b, uint16_t* out) {
+  const int64_t steps = K / kDepth;
+  for (int64_t s = 0; s < steps; ++s)
+    for (int h = 0; h < 2; ++h) {
+      __m512i v[16];
+      for (int n = 0; n < 16; ++n) {
+        const int64_t row = b * kBlock + 16 * h + n;
+        v[n] = row < N ? _mm512_loadu_si512(w + row * K + s * kDepth) : _mm512_setzero_si512();
+      }
+      amx::transpose16(v);  // v[r] lane n: row n's pair r
+      uint16_t* t = out + (b * steps + s) * kStepElems + h * 512;
+      for (int r = 0; r < 16; ++r) _mm512_storeu_si512(t + 32 * r, v[r]);
+    }
+}
+
+// x [M, K] (row stride ldx) -> xa, its A tiles in order: [Mp/16 groups][K/32 steps][16 rows][32], zero past M.
+// Each tile is then 1 KB contiguous, which a GEMM reads from L2 faster than 16 rows K * 2 bytes apart.
+void pack_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t Mp, int64_t K, uint16_t* xa) {
+  const int64_t steps = K / kDepth;
+  for (int64_t m = 0; m < Mp; ++m) {
+    uint16_t* dst = xa + (m / 16) * steps * 512 + (m % 16) * kDepth;
+    if (m < M)
+      for (int64_t s = 0; s < steps; ++s) std::memcpy(dst + s * 512, x + m * ldx + s * kDepth, kDepth * 2);
+    else
+      for (int64_t s = 0; s < steps; ++s) std::memset(dst + s * 512, 0, kDepth * 2);
+  }
+}
+
+// The sums of one block (its tiles at wb) against Mb groups of 16 rows of xa (row stride K): c [Mb][2 halves][16 m]
+// [16 n] float32. Prefetch: request the stream's next 2 KB into L2 a step ahead (decode: the weights come from memory
+// once; a GEMM reads them from L2 after its first 32 rows).
+template <int Mb, bool Prefetch>
+inline void block_sums(const uint16_t* wb, int64_t K, const uint16_t* xa, float* c) {
+  _tile_zero(4);
+  _tile_zero(5);
+  if constexpr (Mb == 2) {
+    _tile_zero(6);
+    _tile_zero(7);
+  }
+  for (int64_t s = 0; s < K / kDepth; ++s) {
+    const uint16_t* b = wb + s * kStepElems;
+    if constexpr (Prefetch) {
+      const char* p = reinterpret_cast<const char*>(b) + kAhead;
+      for (int i = 0; i < 32; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T1);
+    }
+    _tile_loadd(2, xa + s * 512, 64);
+    _tile_loadd(0, b, 64);
+    _tile_loadd(1, b + 512, 64);
+    _tile_dpbf16ps(4, 2, 0);
+    _tile_dpbf16ps(5, 2, 1);
+    if constexpr (Mb == 2) {
+      _tile_loadd(3, xa + 16 * K + s * 512, 64);
+      _tile_dpbf16ps(6, 3, 0);
+      _tile_dpbf16ps(7, 3, 1);
+    }
+  }
+  _tile_stored(4, c, 64);
+  _tile_stored(5, c + 256, 64);
+  if constexpr (Mb == 2) {
+    _tile_stored(6, c + 512, 64);
+    _tile_stored(7, c + 768, 64);
+  }
+}
+
+// y[m, n0 .. n0 + cols) for the block's first `rows` rows: C's two halves of row m (+ bias), rounded to bf16 once
+// (VCVTNE2PS2BF16: to nearest even, as aten rounds). Stream: non-temporal stores (whole, aligned lines only).
+inline void store_rows(const float* c, int64_t rows, const float* bias, int64_t n0, int64_t cols, uint16_t* y,
+                       int64_t ldy, bool stream) {
+  const __mmask32 keep = cols >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << cols) - 1);
+  __m512 b_lo = _mm512_setzero_ps(), b_hi = _mm512_setzero_ps();
+  if (bias) {
+    b_lo = _mm512_maskz_loadu_ps(static_cast<__mmask16>(keep), bias + n0);
+    b_hi = _mm512_maskz_loadu_ps(static_cast<__mmask16>(keep >> 16), bias + n0 + 16);
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* cm = c + (m / 16) * 512 + (m % 16) * 16;
+    const __m512 lo = _mm512_add_ps(_mm512_load_ps(cm), b_lo), hi = _mm512_add_ps(_mm512_load_ps(cm + 256), b_hi);
+    const __m512i v = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+    uint16_t* dst = y + m * ldy + n0;
+    if (stream && cols == 32)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), v);
+    else
+      _mm512_mask_storeu_epi16(dst, keep, v);
+  }
+}
+
+// 1..32 rows: one pass over the weights, each block against every row.
+template <int Mb>
+void decode(const uint16_t* tiles, int64_t Np, int64_t K, const uint16_t* xa, int64_t M, const float* bias,
+            int64_t N, uint16_t* y, bool stream) {
+  parallel_rows(Np, [&](int64_t n0, int64_t n1) {  // chunks of 64 rows or more: whole blocks
+    _tile_loadconfig(&amx::kConfig);
+    alignas(64) float c[Mb * 512];
+    for (int64_t n = n0; n < n1 && n < N; n += kBlock) {
+      block_sums<Mb, true>(tiles + (n / kBlock) * (K / kDepth) * kStepElems, K, xa, c);
+      store_rows(c, M, bias, n, std::min(kBlock, N - n), y, N, stream);
+    }
+    if (stream) _mm_sfence();  // the streamed lines visible before another thread reads y
+    _tile_release();  // a thread holding no tile state saves and restores less on every context switch
+  });
+}
+
+// More rows: for each group of kGroupBlocks blocks, every 32 rows of x (Mp of them, zero past M) against each.
+void gemm(const uint16_t* tiles, int64_t Np, int64_t K, const uint16_t* xa, int64_t M, int64_t Mp, const float* bias,
+          int64_t N, uint16_t* y) {
+  parallel_rows(Np, [&](int64_t n0, int64_t n1) {
+    _tile_loadconfig(&amx::kConfig);
+    alignas(64) float c[2 * 512];
+    for (int64_t g = n0; g < n1 && g < N; g += kGroupBlocks * kBlock) {
+      const int64_t g1 = std::min({n1, N, g + kGroupBlocks * kBlock});
+      for (int64_t m0 = 0; m0 < Mp; m0 += 32)
+        for (int64_t n = g; n < g1; n += kBlock) {
+          const uint16_t* wb = tiles + (n / kBlock) * (K / kDepth) * kStepElems;
+          const int64_t rows = std::min<int64_t>(32, M - m0);
+          if (rows > 16)
+            block_sums<2, false>(wb, K, xa + m0 * K, c);
+          else
+            block_sums<1, false>(wb, K, xa + m0 * K, c);
+          store_rows(c, rows, bias, n, std::min(kBlock, N - n), y + m0 * N, N, false);
+        }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+void check_tiles(const torch::Tensor& tiles) {
+  TORCH_CHECK(tiles.scalar_type() == at::kBFloat16 && tiles.dim() == 3 && tiles.size(2) == kStepElems &&
+                  tiles.is_contiguous(),
+              "linear_bf16_tiles: tiles [Np/32, K/32, 1024] bfloat16 (amx_bf16_pack's layout)");
+}
+
+}  // namespace
+
+// Whether this build and CPU run the tile-order kernels (amx_bf16_enabled: built with AMX-BF16, granted by the OS,
+// not switched off by LEVERLAB_NO_AMX=1).
+bool amx_bf16_tiles_available() {
+#ifdef LEVERLAB_AMX_BF16_TILES
+  return amx_bf16_enabled();
+#else
+  return false;
+#endif
+}
+
+// w [N, K] bf16 (K a multiple of 32) -> its tiles, [ceil(N/32), K/32, 1024].
+torch::Tensor amx_bf16_pack(const torch::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.size(1) % kDepth == 0,
+              "amx_bf16_pack: w [N, K] bfloat16 with K a multiple of ", kDepth);
+  const torch::Tensor wc = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), blocks = (N + kBlock - 1) / kBlock;
+  auto out = torch::empty({blocks, K / kDepth, kStepElems}, w.options());
+#ifdef LEVERLAB_AMX_BF16_TILES
+  auto wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+  auto op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) pack_block(wp, N, K, b, op);
+  });
+#else
+  TORCH_CHECK(false, "amx_bf16_pack: this build has no AMX-BF16");
+#endif
+  return out;
+}
+
+// Rows `ids` [T] (int64) of a weight held in tile order -> [T, K]: the embedding lookup of a tied output head, whose
+// table is that weight. Row n's pair r of step s is word 16 (n % 16) of half (n % 32) / 16's row r.
+torch::Tensor tile_rows(const torch::Tensor& tiles, const torch::Tensor& ids) {
+  check_tiles(tiles);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "tile_rows: ids [T] int64");
+  const int64_t steps = tiles.size(1), K = steps * kDepth, Np = tiles.size(0) * kBlock, T = ids.size(0);
+  const torch::Tensor idc = ids.contiguous();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < Np, "tile_rows: id ", id[t], " outside the table's ", Np, " rows");
+  auto out = torch::empty({T, K}, tiles.options());
+  auto src = reinterpret_cast<const uint32_t*>(tiles.data_ptr<at::BFloat16>());  // a word: one pair of K
+  auto dst = reinterpret_cast<uint32_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n = id[t];
+      const uint32_t* b = src + (n / kBlock) * steps * (kStepElems / 2) + ((n % kBlock) / 16) * 256 + n % 16;
+      uint32_t* row = dst + t * (K / 2);
+      for (int64_t s = 0; s < steps; ++s)
+        for (int r = 0; r < 16; ++r) row[s * 16 + r] = b[s * (kStepElems / 2) + r * 16];
+    }
+  });
+  return out;
+}
+
+// The op (leverlab_cpu::linear_bf16_tiles): x [..., K] bf16, tiles from amx_bf16_pack of a [n, K] weight, bias [n] or
+// None -> [..., n] bf16.
+torch::Tensor linear_bf16_tiles(const torch::Tensor& x, const torch::Tensor& tiles, int64_t n,
+                                const c10::optional<torch::Tensor>& bias) {
+  check_tiles(tiles);
+  TORCH_CHECK(amx_bf16_tiles_available(), "linear_bf16_tiles: no AMX-BF16 in this build or CPU, or LEVERLAB_NO_AMX=1");
+  const int64_t K = tiles.size(1) * kDepth, Np = tiles.size(0) * kBlock;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() >= 1 && x.size(-1) == K,
+              "linear_bf16_tiles: x [..., ", K, "] bfloat16, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(n > Np - kBlock && n <= Np, "linear_bf16_tiles: n ", n, " does not match tiles of ", Np, " rows");
+  const torch::Tensor x2 = x.reshape({-1, K});
+  const int64_t M = x2.size(0);
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = n;
+  auto y = torch::empty({M, n}, x.options());
+  if (M == 0) return y.view(out_shape);
+#ifdef LEVERLAB_AMX_BF16_TILES
+  at::Tensor b32;
+  const float* bp = bias_f32(bias, b32);
+  TORCH_CHECK(!bp || b32.numel() == n, "linear_bf16_tiles: bias has ", b32.numel(), " elements, not ", n);
+  // x copied into aligned rows (a tile row straddling two lines had cost 3x: amx_util.h), zero past M
+  const int64_t Mp = M <= 16 ? 16 : (M + 31) / 32 * 32;
+  amx::tile_vector<uint16_t> xa(static_cast<size_t>(Mp * K));
+  auto xp = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
+  pack_x(xp, x2.stride(0), M, Mp, K, xa.data());
+  auto tp = reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>());
+  auto yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  // streamed stores write whole aligned lines: rows of a multiple of 32 outputs from an aligned start
+  const bool stream = n % 32 == 0 && reinterpret_cast<uintptr_t>(yp) % 64 == 0;
+  if (M <= 16)
+    decode<1>(tp, Np, K, xa.data(), M, bp, n, yp, stream);
+  else if (M <= kMaxDecodeRows)
+    decode<2>(tp, Np, K, xa.data(), M, bp, n, yp, stream);
+  else
+    gemm(tp, Np, K, xa.data(), M, Mp, bp, n, yp);
+#else
+  (void)bias;
+#endif
+  return y.view(out_shape);
+}
+
+TORCH_LIBRARY_FRAGMENT(leverlab_cpu, m) {
+  m.def("linear_bf16_tiles(Tensor x, Tensor tiles, int n, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(leverlab_cpu, CPU, m) {
+  m.impl("linear_bf16_tiles", &linear_bf16_tiles);
+}

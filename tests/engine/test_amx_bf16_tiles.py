@@ -1,0 +1,105 @@
+"""bf16 layers held in AMX tile order (kernels/csrc/amx_bf16_tiles.cpp, layers/bf16_linear.py to_tiles) on CPUs with
+AMX: the same bits as the in-place tile kernel for decode rows, the exact product within one rounding for
+prefill-sized calls, the tied embedding looked up in the head's tiles, a loaded model's greedy tokens unchanged,
+and clear refusals."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from leverlab.kernels import cpu_kernels
+from leverlab.layers import bf16_linear
+from leverlab.layers.linear import Linear
+
+kern = cpu_kernels.kernels()
+needs_tiles = pytest.mark.skipif(kern is None or not kern.amx_bf16_tiles_available(),
+                                 reason="no AMX-BF16 here (or LEVERLAB_NO_AMX=1)")
+op = torch.ops.leverlab_cpu.linear_bf16_tiles if kern is not None else None
+
+
+def _case(m: int, n: int, k: int, seed: int, bias: bool):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k + 32, generator=g).bfloat16()[:, 16:16 + k]  # rows with a stride longer than K
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    return x, w, b
+
+
+@needs_tiles
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 32])
+@pytest.mark.parametrize("n,k", [(37, 64), (1024, 1024), (64, 2048)])  # 37: a block's tail, padded in the tiles
+@pytest.mark.parametrize("bias", [False, True])
+def test_decode_rows_are_the_in_place_kernels_bits(m, n, k, bias):
+    x, w, b = _case(m, n, k, m * 1000 + n, bias)
+    ours = op(x, kern.amx_bf16_pack(w), n, b)
+    assert torch.equal(ours, kern.amx_bf16_linear(x, w, b))  # the same sums in the same order, rounded once
+
+
+@needs_tiles
+@pytest.mark.parametrize("m", [33, 70, 300])
+@pytest.mark.parametrize("n,k", [(37, 64), (160, 1024), (96, 3072)])
+def test_prefill_rows_match_the_exact_product(m, n, k):
+    x, w, b = _case(m, n, k, m + n, True)
+    tiles = kern.amx_bf16_pack(w)
+    ours = op(x, tiles, n, b)
+    exact = F.linear(x.double(), w.double(), b.double())
+    tol = exact.abs() * 2**-8 + x.double().abs() @ w.double().abs().t() * k * 2**-24 + 1e-6
+    assert ((ours.double() - exact).abs() <= tol).all()
+    for i in (0, m - 1):  # a row's result does not depend on the batch beside it (nor on GEMM or decode pass)
+        assert torch.equal(op(x[i:i + 1], tiles, n, b)[0], ours[i])
+
+
+@needs_tiles
+def test_layout_round_trips_and_rows_are_looked_up():
+    w = torch.randn(96, 64).bfloat16()
+    tiles = kern.amx_bf16_pack(w)
+    assert tiles.shape == (3, 2, 1024)
+    assert torch.equal(bf16_linear.untile(tiles), w)
+    ids = torch.tensor([[0, 5, 17], [31, 32, 95]])
+    assert torch.equal(bf16_linear.embedding(ids, tiles), w[ids])
+    x = torch.randn(2, 3, 64).bfloat16()  # leading dims kept
+    assert torch.equal(op(x, tiles, 96, None), op(x.view(6, 64), tiles, 96, None).view(2, 3, 96))
+
+
+@needs_tiles
+def test_bad_calls_are_refused():
+    w = torch.randn(64, 64).bfloat16()
+    tiles = kern.amx_bf16_pack(w)
+    with pytest.raises(RuntimeError, match="K a multiple of 32"):
+        kern.amx_bf16_pack(torch.randn(64, 100).bfloat16())
+    with pytest.raises(RuntimeError, match=r"x \[\.\.\., 64\] bfloat16"):
+        op(torch.randn(4, 64), tiles, 64, None)
+    with pytest.raises(RuntimeError, match="does not match tiles of 64 rows"):
+        op(torch.randn(4, 64).bfloat16(), tiles, 65, None)
+    with pytest.raises(RuntimeError, match="bias has 3 elements"):
+        op(torch.randn(4, 64).bfloat16(), tiles, 64, torch.zeros(3, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="amx_bf16_pack's layout"):
+        op(torch.randn(4, 64).bfloat16(), w, 64, None)
+    with pytest.raises(RuntimeError, match="outside the table's 64 rows"):
+        kern.tile_rows(tiles, torch.tensor([64]))
+
+
+@needs_tiles
+def test_a_loaded_bf16_model_holds_its_layers_in_tile_order_and_says_the_same(checkpoint_factory, monkeypatch):
+    """Every layer in tile order, the tied head and the embedding one tensor; greedy tokens as with the weights in
+    place (prompts under 32 tokens: every product then takes decode-sized calls, whose bits the kernels share)."""
+    from leverlab import LLM, SamplingParams
+
+    path = checkpoint_factory("qwen3")  # tied embeddings; every dimension a multiple of 32
+    prompts = [[5, 9, 2, 7], [11, 3, 8, 1, 4, 6, 2, 9, 13]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = {}
+    for tiles in (True, False):
+        if not tiles:
+            monkeypatch.setenv("LEVERLAB_NO_BF16_TILES", "1")
+        llm = LLM(path, dtype="bfloat16", num_threads=1)
+        model = llm.engine.runner.model
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        assert all(m.kernel_state.tiles == tiles for m in linears)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert (model.lm_head.weight.dim() == 3) == tiles
+        outs[tiles] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                    params)]
+        assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+        del llm
+    assert outs[True] == outs[False]
