@@ -80,9 +80,10 @@ def test_bad_calls_are_refused():
 
 
 @needs_tiles
-def test_a_loaded_bf16_model_holds_its_layers_in_tile_order_and_says_the_same(checkpoint_factory, monkeypatch):
-    """Every layer in tile order, the tied head and the embedding one tensor; greedy tokens as with the weights in
-    place (prompts under 32 tokens: every product then takes decode-sized calls, whose bits the kernels share)."""
+def test_a_loaded_bf16_models_head_is_in_tile_order_and_says_the_same(checkpoint_factory, monkeypatch):
+    """The head in tile order (the decoder layers stay in place: models/loader.py tile_bf16_head), the tied head and
+    the embedding one tensor; greedy tokens as with the head in place (every head call here is decode-sized, and
+    those share their bits with the in-place kernel)."""
     from leverlab import LLM, SamplingParams
 
     path = checkpoint_factory("qwen3")  # tied embeddings; every dimension a multiple of 32
@@ -95,11 +96,15 @@ def test_a_loaded_bf16_model_holds_its_layers_in_tile_order_and_says_the_same(ch
         llm = LLM(path, dtype="bfloat16", num_threads=1)
         model = llm.engine.runner.model
         linears = [m for m in model.modules() if isinstance(m, Linear)]
-        assert all(m.kernel_state.tiles == tiles for m in linears)
+        assert [m for m in linears if m.kernel_state.tiles] == ([model.lm_head] if tiles else [])
         assert model.lm_head.weight is model.model.embed_tokens.weight
         assert (model.lm_head.weight.dim() == 3) == tiles
         outs[tiles] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
                                                                     params)]
+        # 40 prompt rows through the head at once: the tiles' GEMM path (rows put back, aten's GEMM), same bits
+        (o,) = llm.generate([{"prompt_token_ids": list(range(3, 43))}],
+                            SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
+        outs[tiles].append(o.prompt_logprobs)
         assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
         del llm
     assert outs[True] == outs[False]

@@ -45,7 +45,6 @@ constexpr int64_t kBlock = 32;      // output columns (weight rows) per block: t
 constexpr int64_t kDepth = 32;      // bf16 elements of K per step
 constexpr int64_t kStepElems = 2 * 512;  // a block's two B tiles of one step
 constexpr int64_t kMaxDecodeRows = 32;   // up to here: one pass over the weights, streamed
-constexpr int64_t kGroupBlocks = 4;      // GEMM: weight blocks whose tiles stay in L2 while x passes over them
 constexpr int64_t kAhead = 1024;         // bytes past the step's start requested into L2 (1-3 KB measured alike)
 
 #ifdef LEVERLAB_AMX_BF16_TILES
@@ -65,8 +64,8 @@ void pack_block(const uint16_t* w, int64_t N, int64_t K, int64_t b, uint16_t* ou
     }
 }
 
-// x [M, K] (row stride ldx) -> xa, its A tiles in order: [Mp/16 groups][K/32 steps][16 rows][32], zero past M.
-// Each tile is then 1 KB contiguous, which a GEMM reads from L2 faster than 16 rows K * 2 bytes apart.
+// x [M, K] (row stride ldx) -> xa, its A tiles in order: [Mp/16 groups][K/32 steps][16 rows][32], zero past M:
+// each tile 1 KB contiguous and aligned.
 void pack_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t Mp, int64_t K, uint16_t* xa) {
   const int64_t steps = K / kDepth;
   for (int64_t m = 0; m < Mp; ++m) {
@@ -79,9 +78,8 @@ void pack_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t Mp, int64_t K, ui
 }
 
 // The sums of one block (its tiles at wb) against Mb groups of 16 rows of xa (row stride K): c [Mb][2 halves][16 m]
-// [16 n] float32. Prefetch: request the stream's next 2 KB into L2 a step ahead (decode: the weights come from memory
-// once; a GEMM reads them from L2 after its first 32 rows).
-template <int Mb, bool Prefetch>
+// [16 n] float32, the stream's next 2 KB requested into L2 a step ahead.
+template <int Mb>
 inline void block_sums(const uint16_t* wb, int64_t K, const uint16_t* xa, float* c) {
   _tile_zero(4);
   _tile_zero(5);
@@ -91,10 +89,8 @@ inline void block_sums(const uint16_t* wb, int64_t K, const uint16_t* xa, float*
   }
   for (int64_t s = 0; s < K / kDepth; ++s) {
     const uint16_t* b = wb + s * kStepElems;
-    if constexpr (Prefetch) {
-      const char* p = reinterpret_cast<const char*>(b) + kAhead;
-      for (int i = 0; i < 32; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T1);
-    }
+    const char* p = reinterpret_cast<const char*>(b) + kAhead;
+    for (int i = 0; i < 32; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T1);
     _tile_loadd(2, xa + s * 512, 64);
     _tile_loadd(0, b, 64);
     _tile_loadd(1, b + 512, 64);
@@ -144,7 +140,7 @@ void decode(const uint16_t* tiles, int64_t Np, int64_t K, const uint16_t* xa, in
     _tile_loadconfig(&amx::kConfig);
     alignas(64) float c[Mb * 512];
     for (int64_t n = n0; n < n1 && n < N; n += kBlock) {
-      block_sums<Mb, true>(tiles + (n / kBlock) * (K / kDepth) * kStepElems, K, xa, c);
+      block_sums<Mb>(tiles + (n / kBlock) * (K / kDepth) * kStepElems, K, xa, c);
       store_rows(c, M, bias, n, std::min(kBlock, N - n), y, N, stream);
     }
     if (stream) _mm_sfence();  // the streamed lines visible before another thread reads y
@@ -152,27 +148,49 @@ void decode(const uint16_t* tiles, int64_t Np, int64_t K, const uint16_t* xa, in
   });
 }
 
-// More rows: for each group of kGroupBlocks blocks, every 32 rows of x (Mp of them, zero past M) against each.
-void gemm(const uint16_t* tiles, int64_t Np, int64_t K, const uint16_t* xa, int64_t M, int64_t Mp, const float* bias,
-          int64_t N, uint16_t* y) {
-  parallel_rows(Np, [&](int64_t n0, int64_t n1) {
-    _tile_loadconfig(&amx::kConfig);
-    alignas(64) float c[2 * 512];
-    for (int64_t g = n0; g < n1 && g < N; g += kGroupBlocks * kBlock) {
-      const int64_t g1 = std::min({n1, N, g + kGroupBlocks * kBlock});
-      for (int64_t m0 = 0; m0 < Mp; m0 += 32)
-        for (int64_t n = g; n < g1; n += kBlock) {
-          const uint16_t* wb = tiles + (n / kBlock) * (K / kDepth) * kStepElems;
-          const int64_t rows = std::min<int64_t>(32, M - m0);
-          if (rows > 16)
-            block_sums<2, false>(wb, K, xa + m0 * K, c);
-          else
-            block_sums<1, false>(wb, K, xa + m0 * K, c);
-          store_rows(c, rows, bias, n, std::min(kBlock, N - n), y + m0 * N, N, false);
+// Tiles [b0, b1) of a [.., K] weight back into rows, out [(b1 - b0) * 32, K]: per step and half, the transpose
+// pack_block made, undone.
+void unpack_blocks(const uint16_t* tiles, int64_t K, int64_t b0, int64_t b1, uint16_t* out) {
+  const int64_t steps = K / kDepth;
+  at::parallel_for(b0, b1, 4, [&](int64_t c0, int64_t c1) {
+    for (int64_t b = c0; b < c1; ++b)
+      for (int64_t s = 0; s < steps; ++s)
+        for (int h = 0; h < 2; ++h) {
+          const uint16_t* t = tiles + (b * steps + s) * kStepElems + h * 512;
+          __m512i v[16];
+          for (int r = 0; r < 16; ++r) v[r] = _mm512_loadu_si512(t + 32 * r);
+          amx::transpose16(v);  // v[n]: row n's 16 pairs of this step
+          for (int n = 0; n < 16; ++n)
+            _mm512_storeu_si512(out + ((b - b0) * kBlock + 16 * h + n) * K + s * kDepth, v[n]);
         }
-    }
-    _tile_release();
   });
+}
+
+// More rows (prefill chunks): aten's GEMM (oneDNN's, on AMX) over the weight put back in rows, kChunkBytes of it at a
+// time into a scratch buffer that stays in L2/L3 for the GEMM to read. Why not a tile loop over the tiles themselves:
+// one (for each four blocks, every 32 rows against each, from L2) ran the 0.6B shape's 1,024-token prefill 1,311-1,363
+// ms against oneDNN's 1,126-1,155 (alternated processes); this costs one more pass over the weights, through cache.
+constexpr int64_t kChunkBytes = 16 << 20;
+
+void gemm(const torch::Tensor& x2, const uint16_t* tiles, int64_t K, const c10::optional<torch::Tensor>& bias,
+          int64_t N, torch::Tensor& y) {
+  static thread_local torch::Tensor scratch;  // reused: a fresh 16 MB each call would fault its pages in again
+  const int64_t rows = std::max<int64_t>(kBlock, kChunkBytes / (K * 2) / kBlock * kBlock);
+  for (int64_t n0 = 0; n0 < N; n0 += rows) {
+    const int64_t n1 = std::min(N, n0 + rows), nb = (n1 - n0 + kBlock - 1) / kBlock;
+    if (!scratch.defined() || scratch.numel() < nb * kBlock * K)
+      scratch = torch::empty({nb * kBlock * K}, x2.options());
+    auto sp = reinterpret_cast<uint16_t*>(scratch.data_ptr<at::BFloat16>());
+    unpack_blocks(tiles, K, n0 / kBlock, n0 / kBlock + nb, sp);
+    const torch::Tensor w = scratch.narrow(0, 0, (n1 - n0) * K).view({n1 - n0, K});
+    const c10::optional<torch::Tensor> b = bias.has_value() && bias->defined()
+                                               ? c10::optional<torch::Tensor>(bias->narrow(0, n0, n1 - n0))
+                                               : c10::nullopt;
+    if (n0 == 0 && n1 == N)
+      y = at::linear(x2, w, b);
+    else
+      y.narrow(1, n0, n1 - n0).copy_(at::linear(x2, w, b));
+  }
 }
 #endif
 
@@ -255,11 +273,17 @@ torch::Tensor linear_bf16_tiles(const torch::Tensor& x, const torch::Tensor& til
   auto y = torch::empty({M, n}, x.options());
   if (M == 0) return y.view(out_shape);
 #ifdef LEVERLAB_AMX_BF16_TILES
+  if (M > kMaxDecodeRows) {
+    TORCH_CHECK(!bias.has_value() || !bias->defined() || bias->numel() == n, "linear_bf16_tiles: bias has ",
+                bias->numel(), " elements, not ", n);
+    gemm(x2, reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>()), K, bias, n, y);
+    return y.view(out_shape);
+  }
   at::Tensor b32;
   const float* bp = bias_f32(bias, b32);
   TORCH_CHECK(!bp || b32.numel() == n, "linear_bf16_tiles: bias has ", b32.numel(), " elements, not ", n);
-  // x copied into aligned rows (a tile row straddling two lines had cost 3x: amx_util.h), zero past M
-  const int64_t Mp = M <= 16 ? 16 : (M + 31) / 32 * 32;
+  // x copied into aligned tiles (a tile row straddling two lines had cost 3x: amx_util.h), zero past M
+  const int64_t Mp = M <= 16 ? 16 : 32;
   amx::tile_vector<uint16_t> xa(static_cast<size_t>(Mp * K));
   auto xp = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
   pack_x(xp, x2.stride(0), M, Mp, K, xa.data());
@@ -269,10 +293,8 @@ torch::Tensor linear_bf16_tiles(const torch::Tensor& x, const torch::Tensor& til
   const bool stream = n % 32 == 0 && reinterpret_cast<uintptr_t>(yp) % 64 == 0;
   if (M <= 16)
     decode<1>(tp, Np, K, xa.data(), M, bp, n, yp, stream);
-  else if (M <= kMaxDecodeRows)
-    decode<2>(tp, Np, K, xa.data(), M, bp, n, yp, stream);
   else
-    gemm(tp, Np, K, xa.data(), M, Mp, bp, n, yp);
+    decode<2>(tp, Np, K, xa.data(), M, bp, n, yp, stream);
 #else
   (void)bias;
 #endif
