@@ -61,13 +61,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return torch.ops.leverlab_cpu.linear_bf16(x, weight, bias)
 
 
-# Tile order (csrc/amx_bf16_tiles.cpp): on CPUs with AMX-BF16 the model's bf16 layers are held as the B tiles their
-# products read, each step of a decode pass reading 2 KB contiguous with the next 2 KB requested a step ahead, where
-# the in-place kernel reads 32 rows K * 2 bytes apart. One core streamed the 0.6B shape's matrices 1.10-1.17x faster
-# at 1-32 rows (the sums and outputs bit for bit the same); a decode step of 16 bf16 sequences 126-134 -> 117-122 ms.
-# Prefill-sized calls run the same tiles as a GEMM. LEVERLAB_NO_BF16_TILES=1 keeps the weights in place (A/B runs).
+# Tile order (csrc/amx_bf16_tiles.cpp): on CPUs with AMX-BF16 a bf16 output head is held as the B tiles its products
+# read, each step of a decode pass reading 2 KB contiguous with the next 2 KB requested a step ahead, where the
+# in-place kernel reads 32 rows K * 2 bytes apart: one core streamed the 0.6B shape's matrices 1.10-1.17x faster at
+# 1-32 rows, the outputs bit for bit the same. Only the head (models/loader.py tile_bf16_head says why).
+# LEVERLAB_NO_BF16_TILES=1 keeps it in place (A/B runs).
 def tiles_available() -> bool:
-    """Whether bf16 layers can be held in tile order here: our kernels with AMX-BF16, not switched off."""
+    """Whether a bf16 layer can be held in tile order here: our kernels with AMX-BF16, not switched off."""
     k = cpu_kernels.kernels() if available() else None
     return (k is not None and bool(k.amx_bf16_tiles_available()) and not env.flag("LEVERLAB_NO_BF16_TILES"))
 

@@ -1,5 +1,5 @@
-// y = x W^T (+ b) in bfloat16 on AMX tiles, with W held in tile order: the bf16 layers of a model on a CPU with
-// AMX-BF16, for every row count (decode steps, verification spans, prefill chunks).
+// y = x W^T (+ b) in bfloat16 on AMX tiles, with W held in tile order: a bf16 model's output head on a CPU with
+// AMX-BF16 (models/loader.py tile_bf16_head), for every row count.
 //
 // Why a layout of its own: a decode step streams every weight once, and how fast one core streams depends on the
 // order it asks for the lines. amx_bf16.cpp reads W in place, an A tile being 16 rows x 64 bytes at a stride of
@@ -12,18 +12,21 @@
 //    and a row of y is two C rows converted: no transposes (W as A, transposed out: 15.4 GB/s; as B: 15.8-16.0).
 //  - A decode batch's outputs are written with non-temporal stores. Ordinary stores of the 16 lines of y a block
 //    writes took the stream from 17 to 14 GB/s on their own: each missed L1, and while they waited for lines the
-//    loads and prefetches behind them did too. The next layer reads y (a few hundred KB a step) back from memory.
-// In the engine, the 0.6B shape with 16 bf16 sequences (a decode step, weights moved into tile order in place,
-// alternated with the in-place kernel in one process): 126-134 -> 117-122 ms a step. The sums are the same, in the
-// same order, as amx_bf16.cpp's: the outputs are bit for bit the same (tests/kernels/test_amx_bf16_tiles.py).
+//    loads and prefetches behind them did too. The next op reads y back from memory.
+// Measured in the engine (the 0.6B shape, 16 bf16 sequences, fused phase timers, processes alternating with
+// LEVERLAB_NO_BF16_TILES=1): the head 25.2-25.7 -> 20.9-22.0 ms a step. Every layer in tile order took the step from
+// 124.8 to 113.5 ms, but a 1,024-token prefill from 1,126-1,155 to 1,311-1,363 ms: prefill-sized calls then ran on a
+// tile GEMM of ours (for each four blocks, every 32 rows against each, from L2) at ~75% of oneDNN's rate, and put back
+// in rows for oneDNN at 1,411-1,416 against 1,213-1,269 (the rows' extra pass over memory is not hidden behind the
+// products). So only the head, whose prefill call is a row per prompt, is held this way. The sums are the same, in
+// the same order, as amx_bf16.cpp's: the outputs are bit for bit the same (tests/engine/test_amx_bf16_tiles.py).
 //
 // Layout ("tiles"), for W [N, K] row-major, K a multiple of 32, N padded with zero rows to Np, a multiple of 32:
 // [Np/32 blocks][K/32 steps][2 halves][16 r][16 n][2], i.e. block b, step s holds two B tiles of 1 KB: half h's row r
 // holds, for each of its 16 output columns n (W's row 32 b + 16 h + n), the pair W[row][32 s + 2 r], [.. + 1].
 // As a tensor it is [Np/32, K/32, 1024] bf16, so that nothing takes it for a row-major [N, K] weight.
 //
-// Prefill-sized calls (more than 32 rows) run the same products as a GEMM: for each group of four weight blocks
-// (128 columns, their tiles staying in L2), every 32 rows of x against each block.
+// More than 32 rows (prompt logprobs, echo) go to aten's GEMM over the weight put back in rows, a chunk at a time.
 #include <torch/extension.h>
 
 #include "amx_util.h"
@@ -77,7 +80,7 @@ void pack_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t Mp, int64_t K, ui
   }
 }
 
-// The sums of one block (its tiles at wb) against Mb groups of 16 rows of xa (row stride K): c [Mb][2 halves][16 m]
+// The sums of one block (its tiles at wb) against Mb groups of 16 rows of xa (pack_x's order): c [Mb][2 halves][16 m]
 // [16 n] float32, the stream's next 2 KB requested into L2 a step ahead.
 template <int Mb>
 inline void block_sums(const uint16_t* wb, int64_t K, const uint16_t* xa, float* c) {
@@ -166,10 +169,8 @@ void unpack_blocks(const uint16_t* tiles, int64_t K, int64_t b0, int64_t b1, uin
   });
 }
 
-// More rows (prefill chunks): aten's GEMM (oneDNN's, on AMX) over the weight put back in rows, kChunkBytes of it at a
-// time into a scratch buffer that stays in L2/L3 for the GEMM to read. Why not a tile loop over the tiles themselves:
-// one (for each four blocks, every 32 rows against each, from L2) ran the 0.6B shape's 1,024-token prefill 1,311-1,363
-// ms against oneDNN's 1,126-1,155 (alternated processes); this costs one more pass over the weights, through cache.
+// More rows: aten's GEMM (oneDNN's, on AMX) over the weight put back in rows, kChunkBytes of it at a time into a
+// scratch buffer that stays in cache for the GEMM to read (a head of 151,936 x 1,024 is 19 chunks).
 constexpr int64_t kChunkBytes = 16 << 20;
 
 void gemm(const torch::Tensor& x2, const uint16_t* tiles, int64_t K, const c10::optional<torch::Tensor>& bias,
