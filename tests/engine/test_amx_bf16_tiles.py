@@ -50,6 +50,22 @@ def test_prefill_rows_match_the_exact_product(m, n, k):
 
 
 @needs_tiles
+@pytest.mark.parametrize("m", [1, 16, 40])
+def test_a_rows_result_does_not_depend_on_the_threads(m):
+    """Decode calls share the blocks among the threads (row_split.h), each thread's streamed stores fenced."""
+    x, w, b = _case(m, 1024, 256, 11, True)
+    tiles = kern.amx_bf16_pack(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op(x, tiles, 1024, b)
+        torch.set_num_threads(2)
+        assert torch.equal(op(x, tiles, 1024, b), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_tiles
 def test_layout_round_trips_and_rows_are_looked_up():
     w = torch.randn(96, 64).bfloat16()
     tiles = kern.amx_bf16_pack(w)
