@@ -183,7 +183,7 @@ def _set_head(dec, model: CausalLM, dtype: torch.dtype) -> int:
         if head.weight.dtype != dtype:
             return 0
         dec.set_head(5 if head.kernel_state.tiles else 0, head.weight.data, None)
-        return 1 << 30  # any number: linear_bf16 is compute_logits' own op, whatever the rows
+        return 1 << 30  # any number: compute_logits' own op (linear_bf16, or linear_bf16_tiles), whatever the rows
     weights = head.quant_method.fused_weights(head)
     if weights is None:
         return 0

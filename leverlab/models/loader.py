@@ -129,7 +129,7 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.de
 def tile_bf16_head(model: CausalLM) -> bool:
     """The output head in AMX tile order where bf16_linear.tiles_available() and it is tileable; returns whether.
     Only the head: the decoder layers' prefill GEMMs would run on our tile GEMM, and no loop of ours over the tiles
-    reached oneDNN's rate (docs/engine.md: bf16 weights in tile order); the head's prefill call is one row a prompt.
+    reached oneDNN's rate (docs/engine.md, `amx_bf16_tiles.cpp`); the head's prefill call is one row a prompt.
     A tied head's table is the embedding's too: the embedding then looks its rows up in the tiles
     (bf16_linear.embedding), one copy as before."""
     head, table = model.lm_head, model.model.embed_tokens
