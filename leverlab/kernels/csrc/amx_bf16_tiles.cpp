@@ -267,6 +267,9 @@ torch::Tensor linear_bf16_tiles(const torch::Tensor& x, const torch::Tensor& til
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() >= 1 && x.size(-1) == K,
               "linear_bf16_tiles: x [..., ", K, "] bfloat16, got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(n > Np - kBlock && n <= Np, "linear_bf16_tiles: n ", n, " does not match tiles of ", Np, " rows");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || bias->numel() == n, "linear_bf16_tiles: bias has ", has_bias ? bias->numel() : 0,
+              " elements, not ", n);
   const torch::Tensor x2 = x.reshape({-1, K});
   const int64_t M = x2.size(0);
   auto out_shape = x.sizes().vec();
@@ -275,14 +278,11 @@ torch::Tensor linear_bf16_tiles(const torch::Tensor& x, const torch::Tensor& til
   if (M == 0) return y.view(out_shape);
 #ifdef LEVERLAB_AMX_BF16_TILES
   if (M > kMaxDecodeRows) {
-    TORCH_CHECK(!bias.has_value() || !bias->defined() || bias->numel() == n, "linear_bf16_tiles: bias has ",
-                bias->numel(), " elements, not ", n);
     gemm(x2, reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>()), K, bias, n, y);
     return y.view(out_shape);
   }
   at::Tensor b32;
   const float* bp = bias_f32(bias, b32);
-  TORCH_CHECK(!bp || b32.numel() == n, "linear_bf16_tiles: bias has ", b32.numel(), " elements, not ", n);
   // x copied into aligned tiles (a tile row straddling two lines had cost 3x: amx_util.h), zero past M
   const int64_t Mp = M <= 16 ? 16 : 32;
   amx::tile_vector<uint16_t> xa(static_cast<size_t>(Mp * K));
