@@ -12,7 +12,7 @@
 | LEVERLAB_STREAM_PREFETCH      | every kernel family's weight prefetch, off / nta / t0 / l2, instead of measuring each at load (layers/prefetch_tune.py); LEVERLAB_NO_STREAM_PREFETCH=1: off |
 | LEVERLAB_NO_HUGE_PAGES=1     | leave a CPU model's weights in 4 KB pages (kernels/huge_pages.py; A/B runs) |
 | LEVERLAB_NO_AMX=1            | no AMX kernels of ours: batched int8 rows on fbgemm's GEMM (quant/int8_gemm.py), bf16 decode rows on the streaming kernel (layers/bf16_linear.py); A/B runs |
-| LEVERLAB_NO_BF16_TILES=1    | keep a bf16 output head in place instead of in AMX tile order (models/loader.py `tile_bf16_head`); A/B runs |
+| LEVERLAB_NO_BF16_TILES=1    | keep bf16 layers in place instead of in AMX tile order (models/loader.py `tile_bf16_layers`); A/B runs |
 | LEVERLAB_NO_GROUPED_GEMM=1    | an int8 prefill's gate_up through the plain AMX GEMM, then SiLU in a pass of its own, instead of SiLU on the GEMM's outputs in L1 (A/B runs) |
 | LEVERLAB_NO_FUSED_DECODE=1    | decode steps through the modules instead of the fused C++ forward       |
 | LEVERLAB_NO_FUSED_MOE=1       | an MoE layer's hit experts one module call each instead of one C++ op (A/B runs) |

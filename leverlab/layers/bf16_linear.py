@@ -22,6 +22,8 @@ on the row count), and the dispatch costs about a microsecond in eager and compi
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from leverlab import env
@@ -61,11 +63,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return torch.ops.leverlab_cpu.linear_bf16(x, weight, bias)
 
 
-# Tile order (csrc/amx_bf16_tiles.cpp): on CPUs with AMX-BF16 a bf16 output head is held as the B tiles its products
-# read, each step of a decode pass reading 2 KB contiguous with the next 2 KB requested a step ahead, where the
-# in-place kernel reads 32 rows K * 2 bytes apart: one core streamed the 0.6B shape's matrices 1.10-1.17x faster at
-# 1-32 rows, the outputs bit for bit the same. Only the head (models/loader.py tile_bf16_head says why).
-# LEVERLAB_NO_BF16_TILES=1 keeps it in place (A/B runs).
+# Tile order (csrc/amx_bf16_tiles.cpp): on CPUs with AMX-BF16 a bf16 layer is held as the B tiles its products read,
+# each step of a decode pass reading 2 KB contiguous with the next 2 KB requested a step ahead, where the in-place
+# kernel reads 32 rows K * 2 bytes apart. The order is the one oneDNN packs a bf16 weight into for a prefill-sized
+# GEMM, so prefill reads the same bytes through oneDNN's own prepacked GEMM: one copy serves both.
+# LEVERLAB_NO_BF16_TILES=1 keeps every layer in place (A/B runs).
 def tiles_available() -> bool:
     """Whether a bf16 layer can be held in tile order here: our kernels with AMX-BF16, not switched off."""
     k = cpu_kernels.kernels() if available() else None
@@ -80,12 +82,45 @@ def tileable(layer) -> bool:
             and w.device.type == "cpu" and not w.requires_grad and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0)
 
 
-def to_tiles(layer) -> None:
-    """Re-hold `layer.weight` in tile order, [out/32, in/32, 1024] bf16 (the row-major copy freed); the layer's
-    method (layers/linear.py) then runs through linear_bf16_tiles."""
+# Weight shapes [out, in] whose tiles oneDNN reads as its own (True) or not (False), checked once per shape.
+_ONEDNN_SHAPES: dict[tuple[int, int], bool] = {}
+# The batch size oneDNN is told to pack for: a prefill chunk's. (For one row it picks 64-column blocks instead.)
+ONEDNN_PACK_ROWS = 1024
+
+
+def onednn_reads(weight: torch.Tensor, tiles: torch.Tensor) -> bool:
+    """Whether oneDNN packs `weight` [out, in] (bf16) into exactly the bytes of `tiles`, its tile order; the first time
+    a shape is seen, oneDNN packs it and the bytes are compared, and where they match its descriptor goes to the
+    kernels (set_onednn_md), so that prefill-sized calls of that shape run on oneDNN over the tiles in place.
+    Checked rather than assumed: the order is oneDNN's choice (its version, the CPU), and a weight it would read in
+    another order must not reach it."""
+    key = (int(weight.shape[0]), int(weight.shape[1]))
+    if key not in _ONEDNN_SHAPES:
+        mk = torch.ops.mkldnn
+        packed = mk._reorder_linear_weight(weight, ONEDNN_PACK_ROWS)
+        nbytes = mk._nbytes(packed)
+        same = nbytes == tiles.numel() * tiles.element_size()
+        if same:  # oneDNN's buffer viewed in place (no copy), against the tiles' bytes
+            view = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(mk.data_ptr(packed)), dtype=torch.uint8)
+            same = torch.equal(view, tiles.reshape(-1).view(torch.uint8))
+        if same:
+            cpu_kernels.kernels().set_onednn_md(key[0], key[1], mk._get_mkldnn_serialized_md(packed))
+        _ONEDNN_SHAPES[key] = same
+    return _ONEDNN_SHAPES[key]
+
+
+def to_tiles(layer) -> bool:
+    """Re-hold `layer.weight` in tile order, [out/32, in/32, 1024] bf16 (the row-major copy freed), where oneDNN reads
+    that order for prefill (onednn_reads); returns whether it did. The layer's method (layers/linear.py) then runs
+    through linear_bf16_tiles."""
+    if _ONEDNN_SHAPES.get(tuple(layer.weight.shape)) is False:
+        return False
     tiles = cpu_kernels.kernels().amx_bf16_pack(layer.weight.data)
+    if not onednn_reads(layer.weight.data, tiles):
+        return False
     layer.weight = torch.nn.Parameter(tiles, requires_grad=False)
     layer.kernel_state.tiles = True
+    return True
 
 
 def tiled_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -101,6 +136,6 @@ def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 def untile(tiles: torch.Tensor) -> torch.Tensor:
-    """A weight in tile order back to [out, in] rows (tile order: [out/32][in/32][2 halves][16 pairs][16 rows][2])."""
+    """A weight in tile order back to [out, in] rows (tile order: [out/32][in/32][16 pairs][32 rows][2])."""
     nb, steps, _ = tiles.shape
-    return tiles.view(nb, steps, 2, 16, 16, 2).permute(0, 2, 4, 1, 3, 5).reshape(nb * 32, steps * 32)
+    return tiles.view(nb, steps, 16, 32, 2).permute(0, 3, 1, 2, 4).reshape(nb * 32, steps * 32)

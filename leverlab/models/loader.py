@@ -21,6 +21,7 @@ from leverlab.layers.parallel import VocabParallelEmbedding
 from leverlab.models import gguf_file, gguf_loader
 from leverlab.models.config import ModelConfig
 from leverlab.models.decoder import CausalLM
+from leverlab.models.moe import SparseMoE
 from leverlab.quant import autotune
 from leverlab.quant.base import QuantMethod
 from leverlab.quant.registry import get_quant_method, head_quant_method, quant_method_for_checkpoint
@@ -114,7 +115,7 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.de
     load_weights(model, path, method, head)
     finish_quantization(quantized)
     if torch.device(device).type == "cpu":
-        tile_bf16_head(model)  # a bf16 head in AMX tile order where the CPU has it (before the move below)
+        tile_bf16_layers(model)  # bf16 layers in AMX tile order where the CPU has it (before the move below)
         huge_pages.move_to_huge_pages(model)  # before anything times the weights or keeps pointers to them
         # The prefetch first: the rows' timing below measures the streaming kernels, whose speed depends on it,
         # so they are timed in the mode they will run in.
@@ -126,20 +127,22 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.de
     return model.eval()
 
 
-def tile_bf16_head(model: CausalLM) -> bool:
-    """The output head in AMX tile order where bf16_linear.tiles_available() and it is tileable; returns whether.
-    Only the head: the decoder layers' prefill GEMMs would run on our tile GEMM, and no loop of ours over the tiles
-    reached oneDNN's rate (docs/engine.md, `amx_bf16_tiles.cpp`); the head's prefill call is one row a prompt.
-    A tied head's table is the embedding's too: the embedding then looks its rows up in the tiles
-    (bf16_linear.embedding), one copy as before."""
+def tile_bf16_layers(model: CausalLM) -> int:
+    """Every tileable bf16 Linear in AMX tile order where bf16_linear.tiles_available(); returns how many.
+    The routed experts of a sparse MoE layer stay in place: not yet measured in tile order. A tied head's table is the
+    embedding's too: the embedding then looks its rows up in the tiles (bf16_linear.embedding), one copy as before."""
+    if not bf16_linear.tiles_available():
+        return 0
+    experts = {id(m) for moe in model.modules() if isinstance(moe, SparseMoE) for m in moe.experts.modules()}
     head, table = model.lm_head, model.model.embed_tokens
-    if not (bf16_linear.tiles_available() and bf16_linear.tileable(head)):
-        return False
     tied = head.weight is table.weight
-    bf16_linear.to_tiles(head)
-    if tied:
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and id(module) not in experts and bf16_linear.tileable(module):
+            count += bf16_linear.to_tiles(module)
+    if tied and head.kernel_state.tiles:
         table.weight = head.weight
-    return True
+    return count
 
 
 def resolve_quant_method(path: Path, quantization: str | None):

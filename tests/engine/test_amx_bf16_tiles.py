@@ -1,7 +1,8 @@
 """bf16 layers held in AMX tile order (kernels/csrc/amx_bf16_tiles.cpp, layers/bf16_linear.py to_tiles) on CPUs with
-AMX: the same bits as the in-place tile kernel for decode rows, the exact product within one rounding for
-prefill-sized calls, the tied embedding looked up in the head's tiles, a loaded model's greedy tokens unchanged,
-and clear refusals."""
+AMX: the same bits as the in-place tile kernel for decode rows; prefill-sized calls on oneDNN over the tiles in place
+(the order is oneDNN's own, checked per shape) with aten's bits, or, for a shape oneDNN has no descriptor of, the exact
+product within one rounding; the tied embedding looked up in the head's tiles; a loaded model's greedy tokens and
+prompt logprobs unchanged; clear refusals."""
 
 import pytest
 import torch
@@ -36,9 +37,34 @@ def test_decode_rows_are_the_in_place_kernels_bits(m, n, k, bias):
 
 
 @needs_tiles
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (224, 2048)])
+def test_onednn_packs_a_weight_into_the_tiles_bytes_and_runs_prefill_over_them(n, k):
+    """oneDNN's own packing of a weight for a prefill-sized GEMM is our tile order byte for byte (onednn_reads
+    compares them), and prefill-sized calls then give aten's GEMM's bits: oneDNN reading the tiles in place."""
+    _, w, b = _case(1, n, k, n + k, True)
+    tiles = kern.amx_bf16_pack(w)
+    assert bf16_linear.onednn_reads(w, tiles)
+    for m in (33, 300):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        assert torch.equal(op(x, tiles, n, b), F.linear(x, w, b))
+        assert torch.equal(op(x, tiles, n, None), F.linear(x, w))
+
+
+@needs_tiles
+def test_a_shape_oneDNN_would_read_in_another_order_stays_in_place(monkeypatch):
+    layer = Linear(64, 128)
+    layer.weight.data = torch.randn(128, 64).bfloat16()
+    before = layer.weight
+    monkeypatch.setitem(bf16_linear._ONEDNN_SHAPES, (128, 64), False)
+    assert not bf16_linear.to_tiles(layer)
+    assert layer.weight is before and layer.weight.shape == (128, 64) and not layer.kernel_state.tiles
+
+
+@needs_tiles
 @pytest.mark.parametrize("m", [33, 70, 300])
 @pytest.mark.parametrize("n,k", [(37, 64), (160, 1024), (96, 3072)])
 def test_prefill_rows_match_the_exact_product(m, n, k):
+    """Shapes no descriptor was registered for (37: not even a whole block): the rows put back for aten's GEMM."""
     x, w, b = _case(m, n, k, m + n, True)
     tiles = kern.amx_bf16_pack(w)
     ours = op(x, tiles, n, b)
@@ -96,14 +122,14 @@ def test_bad_calls_are_refused():
 
 
 @needs_tiles
-def test_a_loaded_bf16_models_head_is_in_tile_order_and_says_the_same(checkpoint_factory, monkeypatch):
-    """The head in tile order (the decoder layers stay in place: models/loader.py tile_bf16_head), the tied head and
-    the embedding one tensor; greedy tokens as with the head in place (every head call here is decode-sized, and
-    those share their bits with the in-place kernel)."""
+def test_a_loaded_bf16_models_layers_are_in_tile_order_and_say_the_same(checkpoint_factory, monkeypatch):
+    """Every Linear in tile order (models/loader.py tile_bf16_layers), the tied head and the embedding one tensor;
+    greedy tokens and prompt logprobs as with every layer in place: decode-sized calls share their bits with the
+    in-place kernel, prefill-sized ones with aten's GEMM."""
     from leverlab import LLM, SamplingParams
 
     path = checkpoint_factory("qwen3")  # tied embeddings; every dimension a multiple of 32
-    prompts = [[5, 9, 2, 7], [11, 3, 8, 1, 4, 6, 2, 9, 13]]
+    prompts = [[5, 9, 2, 7], [11, 3, 8, 1, 4, 6, 2, 9, 13], list(range(3, 70))]  # the last: 67 prefill rows
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outs = {}
     for tiles in (True, False):
@@ -112,12 +138,11 @@ def test_a_loaded_bf16_models_head_is_in_tile_order_and_says_the_same(checkpoint
         llm = LLM(path, dtype="bfloat16", num_threads=1)
         model = llm.engine.runner.model
         linears = [m for m in model.modules() if isinstance(m, Linear)]
-        assert [m for m in linears if m.kernel_state.tiles] == ([model.lm_head] if tiles else [])
+        assert all(m.kernel_state.tiles == tiles and (m.weight.dim() == 3) == tiles for m in linears)
         assert model.lm_head.weight is model.model.embed_tokens.weight
-        assert (model.lm_head.weight.dim() == 3) == tiles
         outs[tiles] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
                                                                     params)]
-        # 40 prompt rows through the head at once: the tiles' GEMM path (rows put back, aten's GEMM), same bits
+        # 40 prompt rows through the head at once: a prefill-sized call of the head too
         (o,) = llm.generate([{"prompt_token_ids": list(range(3, 43))}],
                             SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
         outs[tiles].append(o.prompt_logprobs)

@@ -1,5 +1,5 @@
-// y = x W^T (+ b) in bfloat16 on AMX tiles, with W held in tile order: a bf16 model's output head on a CPU with
-// AMX-BF16 (models/loader.py tile_bf16_head), for every row count.
+// y = x W^T (+ b) in bfloat16 with W held in tile order: every bf16 layer of a model on a CPU with AMX-BF16
+// (models/loader.py tile_bf16_layers), for every row count: our AMX kernel for decode rows, oneDNN past them.
 //
 // Why a layout of its own: a decode step streams every weight once, and how fast one core streams depends on the
 // order it asks for the lines. amx_bf16.cpp reads W in place, an A tile being 16 rows x 64 bytes at a stride of
@@ -13,21 +13,31 @@
 //  - A decode batch's outputs are written with non-temporal stores. Ordinary stores of the 16 lines of y a block
 //    writes took the stream from 17 to 14 GB/s on their own: each missed L1, and while they waited for lines the
 //    loads and prefetches behind them did too. The next op reads y back from memory.
-// Measured in the engine (the 0.6B shape, 16 bf16 sequences, fused phase timers, processes alternating with
-// LEVERLAB_NO_BF16_TILES=1): the head 25.2-25.7 -> 20.9-22.0 ms a step. Every layer in tile order took the step from
-// 124.8 to 113.5 ms, but a 1,024-token prefill from 1,126-1,155 to 1,311-1,363 ms: prefill-sized calls then ran on a
-// tile GEMM of ours (for each four blocks, every 32 rows against each, from L2) at ~75% of oneDNN's rate, and put back
-// in rows for oneDNN at 1,411-1,416 against 1,213-1,269 (the rows' extra pass over memory is not hidden behind the
-// products). So only the head, whose prefill call is a row per prompt, is held this way. The sums are the same, in
-// the same order, as amx_bf16.cpp's: the outputs are bit for bit the same (tests/engine/test_amx_bf16_tiles.py).
+//
+// Why this order of the tiles' rows: it is oneDNN's. oneDNN packs a bf16 weight for a prefill-sized GEMM on AMX
+// into blocks of 32 output columns, [N/32][K/2][32][2] (its BA16a32b2a), which holds the same 2 KB per block and step
+// as our tiles, its two B tiles' rows side by side (128 bytes a row) where ours had been one tile after the other.
+// So the bytes the decode kernel streams are the weight oneDNN multiplies a prompt by: prefill-sized calls go to
+// oneDNN's prepacked linear (mkldnn::_linear_pointwise, as inductor uses it) over the tiles in place, through a
+// tensor of PyTorch's mkldnn layout that views them. Python checks, once per shape, that oneDNN packs such a weight
+// into exactly these bytes before it hands the shape's descriptor over (set_onednn_md); a shape without one goes to
+// aten's GEMM over the rows put back, a chunk at a time. Before, with a tile order of our own, the decoder layers'
+// prefill ran on a tile GEMM of ours at ~75% of oneDNN's rate (a 1,024-token prefill 1,126-1,155 -> 1,311-1,363 ms)
+// or on the rows put back (1,411-1,416 against 1,213-1,269), so only the output head had been held this way.
+// The interleaved rows cost the stream: a tile load takes every other line of a step, and in that order the loop
+// read 14.6 GB/s where the tile-after-tile order had read 17.4-18.4. Requesting the step's next 16 lines into L1 in
+// address order (PREFETCHT0, kL1Ahead) took it back to 17.4-17.8 (stand-alone, the same loop; 16 rows 16.3-17.1
+// against 16.4-17.1).
+// The sums are the same, in the same order, as amx_bf16.cpp's: decode outputs are bit for bit the same
+// (tests/engine/test_amx_bf16_tiles.py).
 //
 // Layout ("tiles"), for W [N, K] row-major, K a multiple of 32, N padded with zero rows to Np, a multiple of 32:
-// [Np/32 blocks][K/32 steps][2 halves][16 r][16 n][2], i.e. block b, step s holds two B tiles of 1 KB: half h's row r
-// holds, for each of its 16 output columns n (W's row 32 b + 16 h + n), the pair W[row][32 s + 2 r], [.. + 1].
+// [Np/32 blocks][K/32 steps][16 r][32 n][2], i.e. block b, step s holds the pairs W[32 b + n][32 s + 2 r], [.. + 1];
+// B tile h (output columns 16 h .. 16 h + 15) is the 64 bytes at 64 h of each of the 16 rows of 128 bytes.
 // As a tensor it is [Np/32, K/32, 1024] bf16, so that nothing takes it for a row-major [N, K] weight.
-//
-// More than 32 rows (prompt logprobs, echo) go to aten's GEMM over the weight put back in rows, a chunk at a time.
 #include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
 
 #include "amx_util.h"
 #include "kernel_util.h"
@@ -35,6 +45,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 #if defined(LEVERLAB_AMX_TILE) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define LEVERLAB_AMX_BF16_TILES 1
@@ -49,6 +63,8 @@ constexpr int64_t kDepth = 32;      // bf16 elements of K per step
 constexpr int64_t kStepElems = 2 * 512;  // a block's two B tiles of one step
 constexpr int64_t kMaxDecodeRows = 32;   // up to here: one pass over the weights, streamed
 constexpr int64_t kAhead = 1024;         // bytes past the step's start requested into L2 (1-3 KB measured alike)
+constexpr int64_t kL1Ahead = 512;        // bytes past the step's start requested into L1 (16 lines)
+constexpr int64_t kRowBytes = 128;       // a step's row r: 32 output columns' pairs (two B tiles' rows side by side)
 
 #ifdef LEVERLAB_AMX_BF16_TILES
 // Block b's tiles from w [N, K]: per step and half, a 16 x 16 transpose of 32-bit words (a word: one K pair).
@@ -62,8 +78,8 @@ void pack_block(const uint16_t* w, int64_t N, int64_t K, int64_t b, uint16_t* ou
         v[n] = row < N ? _mm512_loadu_si512(w + row * K + s * kDepth) : _mm512_setzero_si512();
       }
       amx::transpose16(v);  // v[r] lane n: row n's pair r
-      uint16_t* t = out + (b * steps + s) * kStepElems + h * 512;
-      for (int r = 0; r < 16; ++r) _mm512_storeu_si512(t + 32 * r, v[r]);
+      uint16_t* t = out + (b * steps + s) * kStepElems + h * 32;  // row r: half 0's 16 pairs, then half 1's
+      for (int r = 0; r < 16; ++r) _mm512_storeu_si512(t + 64 * r, v[r]);
     }
 }
 
@@ -92,11 +108,14 @@ inline void block_sums(const uint16_t* wb, int64_t K, const uint16_t* xa, float*
   }
   for (int64_t s = 0; s < K / kDepth; ++s) {
     const uint16_t* b = wb + s * kStepElems;
-    const char* p = reinterpret_cast<const char*>(b) + kAhead;
-    for (int i = 0; i < 32; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T1);
+    const char* p = reinterpret_cast<const char*>(b);
+    for (int i = 0; i < 32; ++i) _mm_prefetch(p + kAhead + 64 * i, _MM_HINT_T1);
+    // and the lines the tile loads take next into L1, in address order: each tile load takes every other line of
+    // the step (half 0 the even ones), an order that alone streamed 14.6 GB/s where this reads 17-18 (kL1Ahead)
+    for (int i = 0; i < 16; ++i) _mm_prefetch(p + kL1Ahead + 64 * i, _MM_HINT_T0);
     _tile_loadd(2, xa + s * 512, 64);
-    _tile_loadd(0, b, 64);
-    _tile_loadd(1, b + 512, 64);
+    _tile_loadd(0, b, kRowBytes);  // half 0: the first 64 bytes of each 128-byte row
+    _tile_loadd(1, b + 32, kRowBytes);
     _tile_dpbf16ps(4, 2, 0);
     _tile_dpbf16ps(5, 2, 1);
     if constexpr (Mb == 2) {
@@ -159,9 +178,9 @@ void unpack_blocks(const uint16_t* tiles, int64_t K, int64_t b0, int64_t b1, uin
     for (int64_t b = c0; b < c1; ++b)
       for (int64_t s = 0; s < steps; ++s)
         for (int h = 0; h < 2; ++h) {
-          const uint16_t* t = tiles + (b * steps + s) * kStepElems + h * 512;
+          const uint16_t* t = tiles + (b * steps + s) * kStepElems + h * 32;
           __m512i v[16];
-          for (int r = 0; r < 16; ++r) v[r] = _mm512_loadu_si512(t + 32 * r);
+          for (int r = 0; r < 16; ++r) v[r] = _mm512_loadu_si512(t + 64 * r);
           amx::transpose16(v);  // v[n]: row n's 16 pairs of this step
           for (int n = 0; n < 16; ++n)
             _mm512_storeu_si512(out + ((b - b0) * kBlock + 16 * h + n) * K + s * kDepth, v[n]);
@@ -169,7 +188,7 @@ void unpack_blocks(const uint16_t* tiles, int64_t K, int64_t b0, int64_t b1, uin
   });
 }
 
-// More rows: aten's GEMM (oneDNN's, on AMX) over the weight put back in rows, kChunkBytes of it at a time into a
+// More rows, for a shape oneDNN has no descriptor of here: aten's GEMM over the weight put back in rows, kChunkBytes of it at a time into a
 // scratch buffer that stays in cache for the GEMM to read (a head of 151,936 x 1,024 is 19 chunks).
 constexpr int64_t kChunkBytes = 16 << 20;
 
@@ -192,6 +211,44 @@ void gemm(const torch::Tensor& x2, const uint16_t* tiles, int64_t K, const c10::
     else
       y.narrow(1, n0, n1 - n0).copy_(at::linear(x2, w, b));
   }
+}
+
+// oneDNN's descriptors of this layout: per weight shape [n, K], the serialized memory descriptor oneDNN gives a
+// bf16 weight it packs for a prefill-sized GEMM, set from Python once it has checked that oneDNN packs such a weight
+// into exactly these bytes (layers/bf16_linear.py register_onednn).
+std::mutex g_md_mutex;
+std::map<std::pair<int64_t, int64_t>, std::vector<uint8_t>> g_md;
+
+// y = x2 W^T (+ b) by oneDNN reading the tiles where they are, as its own prepacked weight: a tensor of PyTorch's
+// mkldnn layout viewing them (it owns nothing), and the prepacked linear inductor calls (mkldnn::_linear_pointwise).
+// False where no descriptor is known for this shape.
+bool onednn_linear(const torch::Tensor& x2, const torch::Tensor& tiles, int64_t n, int64_t K,
+                   const c10::optional<torch::Tensor>& bias, torch::Tensor& y) {
+  std::vector<uint8_t> md;
+  {
+    std::lock_guard<std::mutex> lock(g_md_mutex);
+    auto it = g_md.find({n, K});
+    if (it == g_md.end()) return false;
+    md = it->second;
+  }
+  const int64_t sizes[2] = {n, K}, strides[2] = {K, 1};
+  AtenTensorHandle handle = nullptr;
+  TORCH_CHECK(aoti_torch_create_tensor_from_blob_v2(tiles.data_ptr(), 2, sizes, strides, 0, aoti_torch_dtype_bfloat16(),
+                                                    aoti_torch_device_type_cpu(), 0, &handle,
+                                                    aoti_torch_layout__mkldnn(), md.data(),
+                                                    static_cast<int64_t>(md.size())) == AOTI_TORCH_SUCCESS,
+              "linear_bf16_tiles: PyTorch would not view the tiles as a oneDNN weight");
+  const at::Tensor w = *reinterpret_cast<at::Tensor*>(handle);  // shares the view; the handle goes
+  aoti_torch_delete_tensor_object(handle);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                         c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                                         std::optional<c10::string_view>)>();
+  const std::optional<at::Tensor> b =
+      bias.has_value() && bias->defined() ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
+  y = op.call(x2.contiguous(), w, b, "none", c10::List<std::optional<c10::Scalar>>(), std::nullopt);
+  return true;
 }
 #endif
 
@@ -232,6 +289,20 @@ torch::Tensor amx_bf16_pack(const torch::Tensor& w) {
   return out;
 }
 
+// The serialized oneDNN memory descriptor (uint8 [bytes]) of a [n, k] bf16 weight held in this layout: from then on
+// prefill-sized calls of that shape run on oneDNN over the tiles in place.
+void set_onednn_md(int64_t n, int64_t k, const torch::Tensor& md) {
+  TORCH_CHECK(md.scalar_type() == at::kByte && md.dim() == 1, "set_onednn_md: md [bytes] uint8");
+  const torch::Tensor mc = md.contiguous();
+  const uint8_t* p = mc.data_ptr<uint8_t>();
+#ifdef LEVERLAB_AMX_BF16_TILES
+  std::lock_guard<std::mutex> lock(g_md_mutex);
+  g_md[{n, k}] = std::vector<uint8_t>(p, p + mc.numel());
+#else
+  (void)n, (void)k, (void)p;
+#endif
+}
+
 // Rows `ids` [T] (int64) of a weight held in tile order -> [T, K]: the embedding lookup of a tied output head, whose
 // table is that weight. Row n's pair r of step s is word 16 (n % 16) of half (n % 32) / 16's row r.
 torch::Tensor tile_rows(const torch::Tensor& tiles, const torch::Tensor& ids) {
@@ -248,10 +319,10 @@ torch::Tensor tile_rows(const torch::Tensor& tiles, const torch::Tensor& ids) {
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = id[t];
-      const uint32_t* b = src + (n / kBlock) * steps * (kStepElems / 2) + ((n % kBlock) / 16) * 256 + n % 16;
+      const uint32_t* b = src + (n / kBlock) * steps * (kStepElems / 2) + n % kBlock;
       uint32_t* row = dst + t * (K / 2);
       for (int64_t s = 0; s < steps; ++s)
-        for (int r = 0; r < 16; ++r) row[s * 16 + r] = b[s * (kStepElems / 2) + r * 16];
+        for (int r = 0; r < 16; ++r) row[s * 16 + r] = b[s * (kStepElems / 2) + r * kBlock];
     }
   });
   return out;
@@ -278,7 +349,8 @@ torch::Tensor linear_bf16_tiles(const torch::Tensor& x, const torch::Tensor& til
   if (M == 0) return y.view(out_shape);
 #ifdef LEVERLAB_AMX_BF16_TILES
   if (M > kMaxDecodeRows) {
-    gemm(x2, reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>()), K, bias, n, y);
+    if (!onednn_linear(x2, tiles, n, K, bias, y))
+      gemm(x2, reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>()), K, bias, n, y);
     return y.view(out_shape);
   }
   at::Tensor b32;

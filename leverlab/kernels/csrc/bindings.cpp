@@ -35,6 +35,7 @@ torch::Tensor amx_bf16_linear(const torch::Tensor& x, const torch::Tensor& w, co
 bool amx_bf16_tiles_available();
 torch::Tensor amx_bf16_pack(const torch::Tensor& w);
 torch::Tensor tile_rows(const torch::Tensor& tiles, const torch::Tensor& ids);
+void set_onednn_md(int64_t n, int64_t k, const torch::Tensor& md);
 at::Tensor bitmask_argmax(const at::Tensor& logits, const at::Tensor& rows, const at::Tensor& bitmask);
 at::Tensor apply_bitmask_(at::Tensor logits, const at::Tensor& rows, const at::Tensor& bitmask);
 
@@ -104,6 +105,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether bf16 layers can be held in tile order (amx_bf16_pack, op leverlab_cpu::linear_bf16_tiles) here");
   m.def("amx_bf16_pack", &amx_bf16_pack, pybind11::arg("w"),
         "w [N, K] bf16, K a multiple of 32 -> its tiles [ceil(N/32), K/32, 1024] (amx_bf16_tiles.cpp's layout)");
+  m.def("set_onednn_md", &set_onednn_md, pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("md"),
+        "the serialized oneDNN descriptor of a [n, k] bf16 weight in tile order: its prefill GEMMs then run on "
+        "oneDNN over the tiles");
   m.def("tile_rows", &tile_rows, pybind11::arg("tiles"), pybind11::arg("ids"),
         "rows ids [T] int64 of a weight in tile order -> [T, K] (a tied output head's embedding lookup)");
   m.def("quant_max_rows", &quant_max_rows, "the most activation rows the streaming int8/int4 kernels take");
