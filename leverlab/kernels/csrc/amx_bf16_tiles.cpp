@@ -188,8 +188,9 @@ void unpack_blocks(const uint16_t* tiles, int64_t K, int64_t b0, int64_t b1, uin
   });
 }
 
-// More rows, for a shape oneDNN has no descriptor of here: aten's GEMM over the weight put back in rows, kChunkBytes of it at a time into a
-// scratch buffer that stays in cache for the GEMM to read (a head of 151,936 x 1,024 is 19 chunks).
+// More rows, for a shape oneDNN has no descriptor of here: aten's GEMM over the weight put back in rows, kChunkBytes
+// of it at a time into a scratch buffer that stays in cache for the GEMM to read (a head of 151,936 x 1,024 is 19
+// chunks).
 constexpr int64_t kChunkBytes = 16 << 20;
 
 void gemm(const torch::Tensor& x2, const uint16_t* tiles, int64_t K, const c10::optional<torch::Tensor>& bias,
@@ -215,7 +216,7 @@ void gemm(const torch::Tensor& x2, const uint16_t* tiles, int64_t K, const c10::
 
 // oneDNN's descriptors of this layout: per weight shape [n, K], the serialized memory descriptor oneDNN gives a
 // bf16 weight it packs for a prefill-sized GEMM, set from Python once it has checked that oneDNN packs such a weight
-// into exactly these bytes (layers/bf16_linear.py register_onednn).
+// into exactly these bytes (layers/bf16_linear.py onednn_reads).
 std::mutex g_md_mutex;
 std::map<std::pair<int64_t, int64_t>, std::vector<uint8_t>> g_md;
 
@@ -304,7 +305,7 @@ void set_onednn_md(int64_t n, int64_t k, const torch::Tensor& md) {
 }
 
 // Rows `ids` [T] (int64) of a weight held in tile order -> [T, K]: the embedding lookup of a tied output head, whose
-// table is that weight. Row n's pair r of step s is word 16 (n % 16) of half (n % 32) / 16's row r.
+// table is that weight. Row n's pair r of step s is word n % 32 of the step's row r.
 torch::Tensor tile_rows(const torch::Tensor& tiles, const torch::Tensor& ids) {
   check_tiles(tiles);
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "tile_rows: ids [T] int64");
